@@ -1,0 +1,969 @@
+"""Analyses of smallinit checkpoints: the measurements behind the paper's claims.
+
+    python eval.py loss     CKPT --data DIR            validation loss, overall and per source
+    python eval.py tokens   CKPT_A CKPT_B --data DIR   per-token gap Δsym by difficulty bucket
+    python eval.py sink     CKPT --data DIR            attention on the first token, per layer/head
+    python eval.py weights  CKPT [CKPT ...]            stable rank + row cosine (trajectory if several)
+    python eval.py residual CKPT --data DIR            branch / residual RMS per layer
+    python eval.py residual --init --widths 64 128 256 branch RMS exponent at init vs width
+    python eval.py bench    CKPT --task hellaswag|gsm8k|math500|anchor
+    python eval.py scaling  --baseline A.json ... --compare B.json ...   L(N) = a N^-α + c
+    python eval.py report   results/*.json --out report.md
+    python eval.py sample   CKPT --prompt "Once upon a time"
+
+CKPT is a consolidated export (`train.py export`, a .pt file), one DCP checkpoint folder
+(`ckpt_00001000/` with meta.json) or a run folder (its newest checkpoint; for `weights`, all
+of them in step order). Every analysis prints tables, writes --json-out for machines and
+--plot PNGs when matplotlib (an optional dependency) is installed.
+
+Δsym, the symmetric probability gap of model A over model B on one token, is
+(p_A − p_B) / (p_A + p_B) with p the probability each model gives the true next token:
+in [−1, 1], antisymmetric in A and B, +1 when only A predicts the token.
+"""
+import argparse
+import bz2
+import glob
+import json
+import math
+import os
+import re
+import sys
+import time
+from fractions import Fraction
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+# ----------------------------------------------------------------------------- output helpers
+
+def progress(items, total, label):
+    """Yield from items while printing a one-line progress bar on stderr (no tqdm dependency)."""
+    start = time.time()
+    for i, item in enumerate(items):
+        yield item
+        done = i + 1
+        elapsed = time.time() - start
+        eta = elapsed / done * (total - done)
+        bar = "#" * int(20 * done / total)
+        end = "\n" if done >= total else ""
+        print(f"\r{label} [{bar:<20}] {done}/{total} {elapsed:.0f}s eta {eta:.0f}s",
+              end=end, file=sys.stderr, flush=True)
+
+
+def fmt(value):
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def format_table(rows, columns=None, markdown=False):
+    """Rows of dicts as an aligned console table, or as a markdown table for the README."""
+    if not rows:
+        return "(no rows)"
+    columns = columns or list(rows[0])
+    cells = [[fmt(row.get(c)) for c in columns] for row in rows]
+    if markdown:
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in cells])
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+    return "\n".join(lines + ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells])
+
+
+def write_json(path, obj):
+    # Atomic: a reader (e.g. `report` over a results folder) never sees half a file.
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib, an optional dependency: pip install matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save_figure(fig, path):
+    tmp = f"{path}.tmp{os.getpid()}.png"
+    fig.savefig(tmp, dpi=120, bbox_inches="tight")
+    os.replace(tmp, path)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- weight structure
+
+def stable_rank(w):
+    """‖W‖_F² / ‖W‖_2², via the Gram matrix of the smaller side (cheap for a 100k-row lm_head)."""
+    w = w.detach().double()
+    gram = w @ w.T if w.shape[0] <= w.shape[1] else w.T @ w
+    top = torch.linalg.eigvalsh(gram)[-1]
+    return (torch.trace(gram) / top).item()
+
+
+def row_cosines(w, max_rows=2048, seed=0):
+    """Cosine similarity between the rows of w (each row: one output neuron's input weights).
+
+    A V×V matrix for a 50k-token embedding would not fit, so large matrices use a fixed random
+    subset of rows: the off-diagonal averages are unbiased estimates of the full ones."""
+    w = w.detach().double()
+    if w.shape[0] > max_rows:
+        rows = torch.randperm(w.shape[0], generator=torch.Generator().manual_seed(seed))[:max_rows]
+        w = w[rows]
+    unit = w / w.norm(dim=1, keepdim=True).clamp_min(1e-300)
+    return unit @ unit.T
+
+
+def cosine_stats(cos, threshold=0.7):
+    """Mean |cos| off the diagonal and the fraction of row pairs with |cos| > threshold.
+
+    |cos| because condensation aligns rows to a few directions up to sign: w and −w span the
+    same feature, and a sign flip is absorbed by the next layer."""
+    off = cos[~torch.eye(cos.shape[0], dtype=torch.bool)].abs()
+    return {"mean_abs_cos": off.mean().item(), "frac_cos_gt": (off > threshold).double().mean().item()}
+
+
+def weight_matrices(state):
+    """(name, 2-D matrix with one neuron per row) for every weight matrix of a state dict.
+
+    nn.Linear / nn.Embedding store (out, in) already; stacked MoE experts are (E, d_in, d_out)
+    (CONTRACT), so each expert is transposed to put its neurons on rows."""
+    for name, p in state.items():
+        if p.ndim == 2:
+            yield name, p
+        elif p.ndim == 3:
+            for e in range(p.shape[0]):
+                yield f"{name}[{e}]", p[e].T
+
+
+def matrix_kind(name):
+    """Group key for averaging: 'wq', 'w_up', 'w_up[experts]', 'tok_emb', 'lm_head', ..."""
+    base = re.sub(r"\[\d+\]$", "", name)
+    parts = base.split(".")
+    kind = parts[-2] if parts[-1] == "weight" else parts[-1]
+    return kind + "[experts]" if base != name else kind
+
+
+def weight_stats(state, threshold=0.7, max_rows=2048):
+    rows = []
+    for name, w in weight_matrices(state):
+        stats = cosine_stats(row_cosines(w, max_rows), threshold)
+        rows.append({"name": name, "kind": matrix_kind(name), "shape": "x".join(map(str, w.shape)),
+                     "stable_rank": stable_rank(w), **stats})
+    return rows
+
+
+def mean_by_kind(rows):
+    kinds = {}
+    for r in rows:
+        kinds.setdefault(r["kind"], []).append(r)
+    return [{"kind": k, "matrices": len(rs),
+             **{m: float(np.mean([r[m] for r in rs])) for m in ("stable_rank", "mean_abs_cos", "frac_cos_gt")}}
+            for k, rs in kinds.items()]
+
+
+def spectral_order(cos):
+    """Row order that puts aligned rows next to each other, for a readable heatmap: sort by the
+    angle in the plane of the top two eigenvectors of |cos| (rows condensed onto one direction
+    load on the same eigenvectors)."""
+    _, vecs = torch.linalg.eigh(cos.abs())
+    return torch.argsort(torch.atan2(vecs[:, -2], vecs[:, -1]))
+
+
+def plot_cosine_heatmap(w, path, title):
+    plt = pyplot()
+    cos = row_cosines(w, max_rows=512)
+    order = spectral_order(cos)
+    fig, ax = plt.subplots(figsize=(5, 4.5))
+    im = ax.imshow(cos[order][:, order].numpy(), cmap="RdBu_r", vmin=-1, vmax=1)
+    fig.colorbar(im, ax=ax)
+    ax.set_title(title)
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def plot_trajectory(steps, by_kind, path):
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for kind, series in by_kind.items():
+        axes[0].plot(steps, [s["mean_abs_cos"] for s in series], marker=".", label=kind)
+        axes[1].plot(steps, [s["stable_rank"] for s in series], marker=".", label=kind)
+    axes[0].set_ylabel("mean |row cosine|")
+    axes[1].set_ylabel("stable rank")
+    axes[1].set_yscale("log")
+    for ax in axes:
+        ax.set_xlabel("step")
+    axes[1].legend(fontsize=7)
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- token-level comparison
+
+def delta_sym(logp_a, logp_b):
+    """(p_A − p_B) / (p_A + p_B) from log-probabilities.
+
+    Dividing by e^{(a+b)/2} gives (e^{(a−b)/2} − e^{−(a−b)/2}) / (e^{(a−b)/2} + e^{−(a−b)/2})
+    = tanh((a − b)/2): exact, and finite even when both probabilities underflow."""
+    return np.tanh((np.asarray(logp_a, np.float64) - np.asarray(logp_b, np.float64)) / 2)
+
+
+def difficulty_buckets(logp_a, logp_b, n_buckets=10):
+    """Equal-count buckets of tokens from easy to hard, difficulty = mean loss of both models.
+
+    Win rate of A counts a tie as half a win, so win(A, B) = 1 − win(B, A)."""
+    logp_a, logp_b = np.asarray(logp_a, np.float64), np.asarray(logp_b, np.float64)
+    difficulty = -(logp_a + logp_b) / 2
+    gap = delta_sym(logp_a, logp_b)
+    rows = []
+    for i, idx in enumerate(np.array_split(np.argsort(difficulty, kind="stable"), n_buckets)):
+        rows.append({"bucket": i, "count": len(idx),
+                     "difficulty_lo": float(difficulty[idx].min()), "difficulty_hi": float(difficulty[idx].max()),
+                     "mean_delta_sym": float(gap[idx].mean()),
+                     "win_rate_a": float(np.mean((gap[idx] > 0) + 0.5 * (gap[idx] == 0))),
+                     "loss_a": float(-logp_a[idx].mean()), "loss_b": float(-logp_b[idx].mean())})
+    return rows
+
+
+def plot_buckets(rows, path, label_a, label_b):
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = [r["bucket"] for r in rows]
+    ax.bar(x, [r["mean_delta_sym"] for r in rows], color="tab:blue", label=f"mean Δsym ({label_a} vs {label_b})")
+    ax.axhline(0, color="black", lw=0.8)
+    ax.set_xlabel("token difficulty bucket (0 = easiest, mean loss of both models)")
+    ax.set_ylabel("mean Δsym")
+    twin = ax.twinx()
+    twin.plot(x, [r["win_rate_a"] for r in rows], color="tab:red", marker="o", label=f"win rate of {label_a}")
+    twin.axhline(0.5, color="tab:red", lw=0.6, ls=":")
+    twin.set_ylabel("win rate")
+    fig.legend(loc="upper left", fontsize=8)
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- multiple choice (HellaSwag)
+
+def read_hellaswag(path):
+    """Tasks {ctx, endings, label} from the published jsonl or llama.cpp's 6-line text format
+    (context, label, four endings; see shared/data/README), optionally bz2-compressed."""
+    opener = bz2.open if path.endswith(".bz2") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        text = f.read()
+    if ".jsonl" in path:
+        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        return [{"ctx": r["ctx"], "endings": r["endings"], "label": int(r["label"])} for r in records]
+    lines = text.rstrip("\n").split("\n")
+    if len(lines) % 6:
+        raise ValueError(f"{path}: {len(lines)} lines is not a multiple of 6; expected the HellaSwag "
+                         "text format (context, label, 4 endings per task) or a .jsonl file")
+    return [{"ctx": lines[i], "label": int(lines[i + 1]), "endings": lines[i + 2:i + 6]}
+            for i in range(0, len(lines), 6)]
+
+
+@torch.no_grad()
+def continuation_logprobs(model, context, continuations):
+    """Sum of log p(continuation tokens | context) and token count, for each continuation.
+
+    One padded batch; contexts longer than the model window lose their oldest tokens."""
+    window = model.cfg.max_seq_len + 1
+    seqs = [(context + c)[-window:] for c in continuations]
+    x = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    y = torch.full_like(x, -1)
+    for i, (seq, c) in enumerate(zip(seqs, continuations)):
+        x[i, :len(seq)] = torch.tensor(seq)
+        y[i, len(seq) - len(c):len(seq)] = torch.tensor(c)
+    logp = token_logprobs(model, x[:, :-1], y[:, 1:])
+    return logp.sum(1).tolist(), [len(c) for c in continuations]
+
+
+def pick_choice(sums, counts, normalise=True):
+    """Index of the best ending: by mean log-likelihood per token (length-normalised), which
+    stops long endings losing just for having more tokens, or by the plain sum."""
+    scores = [s / n if normalise else s for s, n in zip(sums, counts)]
+    return int(np.argmax(scores))
+
+
+def hellaswag_accuracy(model, encode, tasks):
+    correct = {"acc_norm": 0, "acc": 0}
+    for task in progress(tasks, len(tasks), "hellaswag"):
+        # The ending follows the context after a space, as in the original evaluation.
+        sums, counts = continuation_logprobs(model, encode(task["ctx"]), [encode(" " + e) for e in task["endings"]])
+        correct["acc_norm"] += pick_choice(sums, counts) == task["label"]
+        correct["acc"] += pick_choice(sums, counts, normalise=False) == task["label"]
+    return {k: v / len(tasks) for k, v in correct.items()}
+
+
+# ----------------------------------------------------------------------------- answer extraction (GSM8K, MATH)
+
+def last_boxed(text):
+    """Content of the last \\boxed{...} (or \\fbox{...}), with nested braces; None if absent."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    command = "\\boxed" if text.startswith("\\boxed", start) else "\\fbox"
+    rest = text[start + len(command):]
+    if rest.startswith(" "):  # \boxed 5
+        return rest.split()[0] if rest.split() else None
+    if not rest.startswith("{"):
+        return None
+    depth = 0
+    for i, ch in enumerate(rest):
+        depth += (ch == "{") - (ch == "}")
+        if depth == 0:
+            return rest[1:i]
+    return None
+
+
+NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?"
+
+
+def extract_answer(text):
+    """Final answer of a completion: after '####' (GSM8K style), else the last \\boxed{},
+    else after 'the answer is', else the last number in the text; None if there is none."""
+    if "####" in text:
+        return text.split("####", 1)[1].strip().split("\n")[0].strip()
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    said = re.search(r"answer is[:\s]*(.+)", text, flags=re.IGNORECASE)
+    if said:
+        return said.group(1).strip().split("\n")[0].rstrip(".")
+    numbers = re.findall(NUMBER, text)
+    return numbers[-1] if numbers else None
+
+
+def unwrap_command(s, command):
+    """Replace \\command{X} by X (one brace level), e.g. \\text{cm} -> cm."""
+    while (i := s.find(command + "{")) >= 0:
+        depth, j = 0, i + len(command)
+        for j in range(i + len(command), len(s)):
+            depth += (s[j] == "{") - (s[j] == "}")
+            if depth == 0:
+                break
+        s = s[:i] + s[i + len(command) + 1:j] + s[j + 1:]
+    return s
+
+
+def normalize_answer(s):
+    """Canonical string of an answer: no LaTeX spacing/sizing, no $, %, degree signs,
+    thousands separators or trailing period; \\frac{a}{b} -> a/b; 'x = 5' -> 5."""
+    s = s.strip().strip("$").strip()
+    for junk in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "^\\circ", "^{\\circ}",
+                 "\\%", "%", "\\$", "$", "\\displaystyle"):
+        s = s.replace(junk, "")
+    # A unit written as \text{ cm}^2 after the value (leading space = a word, not a symbol).
+    s = re.sub(r"\\(?:text|mbox)\{\s[^{}]*\}(\^\{?\d\}?)?$", "", s)
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    for command in ("\\text", "\\textbf", "\\mbox", "\\mathrm"):
+        s = unwrap_command(s, command)
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    s = re.sub(r"\\frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}", r"\1/\2", s)
+    s = re.sub(r"\\frac(\d)(\d)", r"\1/\2", s)  # \frac12
+    # Thousands separators: a comma between digits followed by exactly three digits.
+    while re.search(r"(\d),(\d{3})(?!\d)", s):
+        s = re.sub(r"(\d),(\d{3})(?!\d)", r"\1\2", s)
+    s = re.sub(r"^[a-zA-Z]\w*=", "", s)
+    return s
+
+
+def as_number(s):
+    try:
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def answers_match(predicted, reference):
+    """Exact match after normalisation; numbers compare by value (18.00 == 18, 0.5 == 1/2)."""
+    if predicted is None:
+        return False
+    p, r = normalize_answer(predicted), normalize_answer(reference)
+    if p == r:
+        return True
+    p_num, r_num = as_number(p), as_number(r)
+    return p_num is not None and p_num == r_num
+
+
+def gsm8k_reference(answer_field):
+    return answer_field.split("####")[-1].strip()
+
+
+def read_math_records(source, task):
+    """GSM8K / MATH-500 records {question, solution, answer} from a local jsonl in its published
+    layout, or from the hub on a connected machine (openai/gsm8k, HuggingFaceH4/MATH-500)."""
+    if os.path.exists(source):
+        with open(source, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    else:
+        import datasets
+        args = ("openai/gsm8k", "main") if source == "hub" and task == "gsm8k" else \
+               ("HuggingFaceH4/MATH-500",) if source == "hub" else (source,)
+        records = list(datasets.load_dataset(*args, split="test"))
+    if task == "gsm8k":
+        # Calculator annotations <<a*b=c>> are tool traces, not text a model should imitate.
+        return [{"question": r["question"], "solution": re.sub(r"<<[^>]*>>", "", r["answer"]),
+                 "answer": gsm8k_reference(r["answer"])} for r in records]
+    return [{"question": r["problem"], "solution": r["solution"], "answer": r["answer"]} for r in records]
+
+
+def few_shot_prompt(shots, question, task):
+    q, a = ("Question", "Answer") if task == "gsm8k" else ("Problem", "Solution")
+    parts = [f"{q}: {s['question']}\n{a}: {s['solution']}\n\n" for s in shots]
+    return "".join(parts) + f"{q}: {question}\n{a}:", f"\n\n{q}:"
+
+
+# ----------------------------------------------------------------------------- scaling law
+
+def fit_power_law(n, loss, alphas=np.linspace(0.01, 3.0, 600)):
+    """Least-squares fit of L(N) = a·N^(−α) + c with the Jacobian standard errors.
+
+    For a fixed α the model is linear in (a, c), so each α gets its exact best (a, c) and only
+    α is searched (grid, then golden section): no start values, no local minima in (a, c).
+    N is scaled by its geometric mean n0 so N^(−α) stays O(1) for every α."""
+    n, loss = np.asarray(n, np.float64), np.asarray(loss, np.float64)
+    if len(n) < 3:
+        raise ValueError(f"a power law with offset has 3 parameters; got {len(n)} points, need >= 3")
+    n0 = float(np.exp(np.log(n).mean()))
+    logx = np.log(n / n0)
+
+    def solve(alpha):
+        design = np.stack([np.exp(-alpha * logx), np.ones_like(logx)], 1)
+        coef = np.linalg.lstsq(design, loss, rcond=None)[0]
+        return coef, float(((design @ coef - loss) ** 2).sum())
+
+    sse = [solve(a)[1] for a in alphas]
+    i = int(np.argmin(sse))
+    lo, hi = alphas[max(i - 1, 0)], alphas[min(i + 1, len(alphas) - 1)]
+    golden = (math.sqrt(5) - 1) / 2
+    for _ in range(100):
+        m1, m2 = hi - golden * (hi - lo), lo + golden * (hi - lo)
+        lo, hi = (lo, m2) if solve(m1)[1] < solve(m2)[1] else (m1, hi)
+    alpha = (lo + hi) / 2
+    (a_ref, c), residual = solve(alpha)
+    # Covariance s²(JᵀJ)⁻¹ of (a_ref, α, c); needs a residual degree of freedom to estimate s².
+    u = np.exp(-alpha * logx)
+    jac = np.stack([u, -a_ref * logx * u, np.ones_like(u)], 1)
+    dof = len(n) - 3
+    cov = residual / dof * np.linalg.inv(jac.T @ jac) if dof > 0 else np.full((3, 3), np.nan)
+    return {"a": a_ref * n0 ** alpha, "alpha": alpha, "c": c, "a_ref": a_ref, "n0": n0, "cov": cov.tolist(),
+            "alpha_err": math.sqrt(cov[1][1]), "c_err": math.sqrt(cov[2][2]), "rmse": math.sqrt(residual / len(n))}
+
+
+def effective_size(loss, fit):
+    """N_eff with L(N_eff) = loss, i.e. N_eff = n0·(a_ref/(loss − c))^(1/α), and its standard
+    error by the delta method on log N_eff with the fit covariance."""
+    a_ref, alpha, c = fit["a_ref"], fit["alpha"], fit["c"]
+    if loss <= c:
+        raise ValueError(f"loss {loss:.4f} is below the fitted irreducible loss c={c:.4f}: "
+                         "no finite size reaches it; fit with more/larger baselines")
+    log_ratio = (math.log(a_ref) - math.log(loss - c)) / alpha
+    grad = np.array([1 / (alpha * a_ref), -log_ratio / alpha, 1 / (alpha * (loss - c))])
+    log_err = math.sqrt(grad @ np.asarray(fit["cov"]) @ grad)
+    n_eff = fit["n0"] * math.exp(log_ratio)
+    return n_eff, n_eff * log_err
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def find_checkpoints(path):
+    """Checkpoint paths in a run folder (complete ckpt_* folders, step order), or [path]."""
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "meta.json")):
+        found = sorted(p for p in glob.glob(os.path.join(path, "ckpt_*"))
+                       if os.path.exists(os.path.join(p, "meta.json")))
+        if not found:
+            raise SystemExit(f"{path}: no ckpt_*/meta.json inside; pass a .pt export, a checkpoint "
+                             "folder or a run folder written by train.py")
+        return found
+    if not os.path.exists(path):
+        raise SystemExit(f"{path}: no such checkpoint")
+    return [path]
+
+
+def load_model(path, device="cpu", attn_backend=None):
+    """The one model-loading path of every analysis: (GPT in eval mode, info) where info holds
+    the checkpoint's model_config, config, step and data_meta."""
+    from model import GPT, GPTConfig
+    path = find_checkpoints(path)[-1]
+    if os.path.isfile(path):
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        if "model" not in blob or "model_config" not in blob:
+            raise SystemExit(f"{path}: not a smallinit export (needs 'model' and 'model_config'); "
+                             "make one with `python train.py export <ckpt_dir> <file.pt>`")
+        info = {k: v for k, v in blob.items() if k != "model"}
+    else:
+        with open(os.path.join(path, "meta.json")) as f:
+            info = json.load(f)
+    cfg = GPTConfig(**info["model_config"])
+    if attn_backend:
+        cfg.attn_backend = attn_backend
+    elif cfg.attn_backend == "flex" and not str(device).startswith("cuda"):
+        cfg.attn_backend = "sdpa"  # FlexAttention has no CPU path for evaluation here
+    model = GPT(cfg)
+    if os.path.isfile(path):
+        model.load_state_dict(blob["model"])
+    else:
+        import torch.distributed.checkpoint as dcp
+        # DCP fills the given tensors in place and reads only the keys asked for ("model.*",
+        # not the optimizer); it needs no process group in a single process.
+        dcp.load({"model": model.state_dict()}, checkpoint_id=path)
+    info["path"] = path
+    return model.to(device).eval(), info
+
+
+@torch.no_grad()
+def token_logprobs(model, x, y):
+    """log p(y_t | x_≤t) per position, 0 where y == −1 (masked)."""
+    logits, _ = model(x)
+    logp = -F.cross_entropy(logits.float().flatten(0, 1), y.flatten().clamp_min(0), reduction="none")
+    return logp.view(y.shape) * (y >= 0)
+
+
+def data_dir_of(args, info):
+    data = args.data or info.get("config", {}).get("data_dir")
+    if not data:
+        raise SystemExit("no validation data: pass --data <folder written by prepare_data.py>")
+    return data
+
+
+def val_batches(data, args, label):
+    """A fixed token budget of validation batches with their source index per token."""
+    from prepare_data import TokenLoader
+    loader = TokenLoader(data, args.split, args.batch_size, args.seq_len, seed=args.seed)
+    n = max(1, math.ceil(args.tokens / (args.batch_size * args.seq_len)))
+    return loader.meta, progress((loader.next_batch(with_sources=True) for _ in range(n)), n, label)
+
+
+# ----------------------------------------------------------------------------- analyses
+
+def run_loss(args):
+    model, info = load_model(args.ckpt, args.device)
+    meta, batches = val_batches(data_dir_of(args, info), args, "loss")
+    sources = meta["sources"]
+    total, count = torch.zeros(len(sources), dtype=torch.float64), torch.zeros(len(sources), dtype=torch.float64)
+    for x, y, src in batches:
+        logp = token_logprobs(model, x.to(args.device), y.to(args.device)).cpu().double()
+        keep = y >= 0
+        total += torch.bincount(src[keep], weights=-logp[keep], minlength=len(sources))
+        count += torch.bincount(src[keep], minlength=len(sources)).double()
+    rows = [{"source": s, "tokens": int(n), "loss": float(t / n), "ppl": math.exp(t / n)}
+            for s, t, n in zip(sources, total.tolist(), count.tolist()) if n > 0]
+    loss = float(total.sum() / count.sum())
+    summary = {"loss": loss, "ppl": math.exp(loss), "tokens": int(count.sum()), "step": info.get("step"),
+               **{f"params_{k}": v for k, v in model.num_params().items()}}
+    return {"analysis": "loss", "ckpt": args.ckpt, "summary": summary, "rows": rows}
+
+
+def run_tokens(args):
+    model_a, info = load_model(args.ckpt_a, args.device)
+    model_b, info_b = load_model(args.ckpt_b, args.device)
+    if model_a.cfg.vocab_size != model_b.cfg.vocab_size:
+        raise SystemExit(f"vocab sizes differ ({model_a.cfg.vocab_size} vs {model_b.cfg.vocab_size}): "
+                         "per-token comparison needs two models on the same tokenizer")
+    _, batches = val_batches(data_dir_of(args, info), args, "tokens")
+    logp_a, logp_b = [], []
+    for x, y, _ in batches:
+        x, y = x.to(args.device), y.to(args.device)
+        keep = y >= 0
+        logp_a.append(token_logprobs(model_a, x, y)[keep].cpu())
+        logp_b.append(token_logprobs(model_b, x, y)[keep].cpu())
+    logp_a, logp_b = torch.cat(logp_a).numpy(), torch.cat(logp_b).numpy()
+    rows = difficulty_buckets(logp_a, logp_b, args.buckets)
+    gap = delta_sym(logp_a, logp_b)
+    summary = {"tokens": len(gap), "mean_delta_sym": float(gap.mean()),
+               "win_rate_a": float(np.mean((gap > 0) + 0.5 * (gap == 0))),
+               "loss_a": float(-logp_a.mean()), "loss_b": float(-logp_b.mean())}
+    result = {"analysis": "tokens", "ckpt_a": args.ckpt_a, "ckpt_b": args.ckpt_b, "summary": summary, "rows": rows}
+    if args.plot:
+        plot_buckets(rows, args.plot, "A", "B")
+        result["plots"] = [args.plot]
+    return result
+
+
+def document_starts(x, eot_id):
+    """Position of the first token of each token's document. A document ends with its eot
+    token, so the token after an eot starts a new one."""
+    t = torch.arange(x.shape[1]).expand_as(x)
+    starts = torch.where(F.pad(x[:, :-1] == eot_id, (1, 0)), t, torch.zeros_like(t))
+    return torch.cummax(starts, dim=1).values
+
+
+@torch.no_grad()
+def sink_shares(model, x):
+    """Per layer (H,) attention share on the sequence's first token (queries ≥ 1) and, with
+    document masking, on each query's document start (queries that are not that start)."""
+    from model import capture_attention
+    with capture_attention(model) as probs:
+        model(x)
+    q = torch.arange(x.shape[1])
+    doc = document_starts(x, model.cfg.eot_id)
+    layers = []
+    for p in probs:
+        p = p.double()
+        first = p[:, :, 1:, 0].mean(dim=(0, 2))
+        row = {"first": first.tolist()}
+        if model.cfg.doc_mask:
+            on_doc = p.gather(3, doc[:, None, :, None].expand(-1, p.shape[1], -1, 1)).squeeze(3)
+            not_start = (q != doc)[:, None, :].expand_as(on_doc)
+            row["doc_first"] = (on_doc * not_start).sum(dim=(0, 2)).div(not_start.sum(dim=(0, 2))).tolist()
+        layers.append(row)
+    return layers
+
+
+def run_sink(args):
+    model, info = load_model(args.ckpt, args.device, attn_backend="eager")
+    _, batches = val_batches(data_dir_of(args, info), args, "sink")
+    totals, n = None, 0
+    for x, _, _ in batches:
+        layers = sink_shares(model, x.to(args.device))
+        arrays = {k: np.array([layer[k] for layer in layers]) for k in layers[0]}
+        totals = arrays if totals is None else {k: totals[k] + arrays[k] for k in totals}
+        n += 1
+    means = {k: v / n for k, v in totals.items()}
+    rows = [{"layer": i, "head": h, **{f"share_{k}": float(v[i, h]) for k, v in means.items()}}
+            for i in range(model.cfg.n_layer) for h in range(model.cfg.n_head)]
+    summary = {f"mean_share_{k}": float(v.mean()) for k, v in means.items()}
+    summary.update({f"max_share_{k}": float(v.max()) for k, v in means.items()})
+    summary["attn_gate"] = model.cfg.attn_gate
+    return {"analysis": "sink", "ckpt": args.ckpt, "summary": summary, "rows": rows}
+
+
+def run_weights(args):
+    paths = [p for arg in args.ckpts for p in find_checkpoints(arg)]
+    series = []
+    for path in progress(paths, len(paths), "weights"):
+        model, info = load_model(path)
+        # Parameters only: buffers such as RoPE tables are not weights.
+        state = dict(model.named_parameters())
+        rows = weight_stats(state, args.threshold, args.max_rows)
+        series.append({"ckpt": path, "step": info.get("step"), "rows": rows, "by_kind": mean_by_kind(rows)})
+    last = series[-1]
+    if args.heatmap:
+        plot_cosine_heatmap(state[args.heatmap_matrix], args.heatmap, f"{args.heatmap_matrix} row cosine")
+    summary = {"checkpoints": len(series), "step": last["step"],
+               **{f"{m}": float(np.mean([r[m] for r in last["rows"]]))
+                  for m in ("stable_rank", "mean_abs_cos", "frac_cos_gt")}}
+    trajectory = [{"step": s["step"], **{f"{k['kind']}:{m}": k[m] for k in s["by_kind"]
+                                         for m in ("mean_abs_cos", "stable_rank")}} for s in series]
+    result = {"analysis": "weights", "summary": summary, "rows": last["by_kind"], "matrices": last["rows"],
+              "trajectory": trajectory, "threshold": args.threshold}
+    if args.plot:
+        kinds = [k["kind"] for k in last["by_kind"]]
+        by_kind = {kind: [next(k for k in s["by_kind"] if k["kind"] == kind) for s in series] for kind in kinds}
+        plot_trajectory([s["step"] for s in series], by_kind, args.plot)
+        result["plots"] = [args.plot]
+    return result
+
+
+@torch.no_grad()
+def branch_ratios(model, x):
+    """Per layer: RMS of the attention / MLP branch update over the RMS of the residual stream."""
+    from model import trace_residual
+    with trace_residual(model) as trace:
+        model(x)
+    return [{"layer": i, "resid_rms": float(np.mean(t["resid_rms"])),
+             "attn_ratio": float(np.mean(t["attn_rms"]) / np.mean(t["resid_rms"])),
+             "mlp_ratio": float(np.mean(t["mlp_rms"]) / np.mean(t["resid_rms"]))} for i, t in enumerate(trace)]
+
+
+def run_residual(args):
+    if not args.init:
+        model, info = load_model(args.ckpt, args.device)
+        _, batches = val_batches(data_dir_of(args, info), args, "residual")
+        x = next(batches)[0].to(args.device)
+        rows = branch_ratios(model, x)
+        summary = {k: float(np.mean([r[k] for r in rows])) for k in ("attn_ratio", "mlp_ratio")}
+        return {"analysis": "residual", "ckpt": args.ckpt, "summary": summary, "rows": rows}
+    from model import GPT, config_for, init_model_
+    rows = []
+    for width in progress(args.widths, len(args.widths), "residual@init"):
+        overrides = dict(d_model=width, mlp=args.mlp, attn_gate=args.attn_gate)
+        cfg = config_for(args.size, **overrides)
+        model = GPT(cfg)
+        init_model_(model, gamma=args.gamma, seed=args.seed)
+        x = torch.randint(cfg.vocab_size, (args.batch_size, args.seq_len), generator=torch.Generator().manual_seed(args.seed))
+        layers = branch_ratios(model.eval(), x)
+        rows.append({"d_model": width, **{k: float(np.mean([r[k] for r in layers])) for k in ("attn_ratio", "mlp_ratio")}})
+    log_d = np.log([r["d_model"] for r in rows])
+    # Theory (README): attention and gelu branches scale as d^(1−γ), SwiGLU as d^(1.5−2γ).
+    summary = {f"{k}_exponent": float(np.polyfit(log_d, np.log([r[k] for r in rows]), 1)[0])
+               for k in ("attn_ratio", "mlp_ratio")}
+    summary.update(gamma=args.gamma, mlp=args.mlp)
+    return {"analysis": "residual_init", "summary": summary, "rows": rows}
+
+
+def tokenizer_of(info):
+    """(encode, decode, eot_id) for the tokenizer the checkpoint was trained with."""
+    from prepare_data import get_tokenizer
+    return get_tokenizer(info["data_meta"])
+
+
+@torch.no_grad()
+def generate(model, prompt, max_new_tokens, num_samples=1, temperature=0.0, top_k=None, seed=0, stop=None):
+    """Continuations of one prompt (token ids): greedy when temperature == 0, else sampled from
+    softmax(logits / temperature) restricted to the top_k tokens.
+
+    model.py has no KV cache, so every step recomputes the (window-cropped) context: O(T²)
+    per token, fine for the short answers and small models evaluated here.
+    stop(tokens) -> True ends that row; generation ends when every row has stopped."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    idx = torch.tensor([prompt] * num_samples, device=device)
+    new = [[] for _ in range(num_samples)]
+    done = [False] * num_samples
+    for _ in range(max_new_tokens):
+        logits = model(idx[:, -model.cfg.max_seq_len:])[0][:, -1].float()
+        if temperature == 0:
+            nxt = logits.argmax(-1)
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(logits.softmax(-1), 1, generator=gen).squeeze(1)
+        idx = torch.cat([idx, nxt[:, None]], 1)
+        for i, t in enumerate(nxt.tolist()):
+            if not done[i]:
+                new[i].append(t)
+                done[i] = stop is not None and stop(new[i])
+        if all(done):
+            break
+    return new
+
+
+def run_math_bench(model, tokenizer, args):
+    encode, decode, eot_id = tokenizer
+    records = read_math_records(args.source or default_source(args.task), args.task)
+    # Few-shot exemplars are the first records; they are excluded from the scored set.
+    shots, tests = records[:args.shots], records[args.shots:][:args.limit]
+
+    def cut(text, marker):
+        return text.split(marker)[0]
+
+    per_problem = []
+    for rec in progress(tests, len(tests), args.task):
+        prompt, marker = few_shot_prompt(shots, rec["question"], args.task)
+        stop = lambda toks: eot_id in toks or marker in decode([t for t in toks if t != eot_id])
+        outs = generate(model, encode(prompt), args.max_new_tokens, args.num_samples, args.temperature,
+                        args.top_k, args.seed, stop)
+        texts = [cut(decode([t for t in o if t != eot_id]), marker) for o in outs]
+        answers = [extract_answer(t) for t in texts]
+        hits = [answers_match(a, rec["answer"]) for a in answers]
+        votes = [normalize_answer(a) for a in answers if a is not None]
+        majority = max(set(votes), key=votes.count) if votes else None
+        per_problem.append({"answer": rec["answer"], "predicted": answers[0], "correct": hits[0],
+                            "mean_correct": float(np.mean(hits)), "majority_correct": answers_match(majority, rec["answer"])})
+    summary = {"task": args.task, "problems": len(per_problem), "shots": args.shots,
+               "accuracy": float(np.mean([p["mean_correct"] for p in per_problem])),
+               "temperature": args.temperature, "num_samples": args.num_samples}
+    if args.num_samples > 1:
+        summary["maj_accuracy"] = float(np.mean([p["majority_correct"] for p in per_problem]))
+    return summary, per_problem[:20]
+
+
+def default_source(task):
+    shared = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data", "eval")
+    local = {"hellaswag": "hellaswag/hellaswag_val_full.txt.bz2", "gsm8k": "gsm8k/test.jsonl",
+             "math500": "math500/test.jsonl"}[task]
+    path = os.path.join(shared, local)
+    return path if os.path.exists(path) else "hub"
+
+
+def run_bench(args):
+    model, info = load_model(args.ckpt, args.device)
+    if args.task == "anchor":
+        summary, rows = run_anchor_bench(model, info, args)
+    elif args.task == "hellaswag":
+        source = args.source or default_source("hellaswag")
+        if source == "hub":
+            import datasets
+            tasks = [{"ctx": r["ctx"], "endings": r["endings"], "label": int(r["label"])}
+                     for r in datasets.load_dataset("Rowan/hellaswag", split="validation")]
+        else:
+            tasks = read_hellaswag(source)
+        tasks = tasks[:args.limit]
+        encode = tokenizer_of(info)[0]
+        summary, rows = {"task": "hellaswag", "tasks": len(tasks), **hellaswag_accuracy(model, encode, tasks)}, []
+    else:
+        summary, rows = run_math_bench(model, tokenizer_of(info), args)
+    return {"analysis": "bench", "ckpt": args.ckpt, "summary": summary, "rows": rows}
+
+
+def run_anchor_bench(model, info, args):
+    raise SystemExit("anchor benchmark: waiting for prepare_data.py's anchor helpers")
+
+
+def run_scaling(args):
+    def points(specs):
+        out = []
+        for spec in specs:
+            if "=" in spec:  # literal N=loss, e.g. 1.5e9=2.41
+                n, loss = spec.split("=")
+                out.append({"name": spec, "params": float(n), "loss": float(loss)})
+            else:
+                with open(spec) as f:
+                    summary = json.load(f)["summary"]
+                out.append({"name": spec, "params": float(summary[f"params_{args.count}"]), "loss": summary["loss"]})
+        return out
+
+    base, compare = points(args.baseline), points(args.compare)
+    fit = fit_power_law([p["params"] for p in base], [p["loss"] for p in base])
+    rows = [{**p, "role": "baseline", "fit_loss": fit["a"] * p["params"] ** -fit["alpha"] + fit["c"]} for p in base]
+    for p in compare:
+        n_eff, err = effective_size(p["loss"], fit)
+        rows.append({**p, "role": "compare", "effective_params": n_eff, "size_ratio": n_eff / p["params"],
+                     "size_ratio_err": err / p["params"]})
+    summary = {k: fit[k] for k in ("a", "alpha", "alpha_err", "c", "c_err", "rmse")}
+    ratios = [r["size_ratio"] for r in rows if r["role"] == "compare"]
+    if ratios:
+        summary["mean_size_ratio"] = float(np.mean(ratios))
+    result = {"analysis": "scaling", "summary": summary, "rows": rows, "fit": fit}
+    if args.plot:
+        plot_scaling(rows, fit, args.plot)
+        result["plots"] = [args.plot]
+    return result
+
+
+def plot_scaling(rows, fit, path):
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    n = np.geomspace(min(r["params"] for r in rows) / 2, max(r["params"] for r in rows) * 2, 100)
+    ax.plot(n, fit["a"] * n ** -fit["alpha"] + fit["c"], color="gray",
+            label=f"fit α={fit['alpha']:.3f}±{fit['alpha_err']:.3f}, c={fit['c']:.3f}")
+    for role, color in (("baseline", "tab:blue"), ("compare", "tab:red")):
+        sel = [r for r in rows if r["role"] == role]
+        ax.scatter([r["params"] for r in sel], [r["loss"] for r in sel], color=color, label=role)
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters N")
+    ax.set_ylabel("validation loss")
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def run_report(args):
+    groups = {}
+    for path in args.results:
+        with open(path) as f:
+            result = json.load(f)
+        groups.setdefault(result["analysis"], []).append((path, result))
+    lines = []
+    for analysis, items in groups.items():
+        lines += [f"### {analysis}", "", format_table([{"file": os.path.basename(p), **r["summary"]} for p, r in items],
+                                                      markdown=True), ""]
+        lines += [f"![{analysis}]({os.path.relpath(plot, os.path.dirname(os.path.abspath(args.out)))})"
+                  for _, r in items for plot in r.get("plots", [])]
+    text = "\n".join(lines) + "\n"
+    tmp = f"{args.out}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, args.out)
+    print(text)
+    return None
+
+
+def run_sample(args):
+    model, info = load_model(args.ckpt, args.device)
+    encode, decode, eot_id = tokenizer_of(info)
+    outs = generate(model, encode(args.prompt), args.max_new_tokens, args.num_samples, args.temperature,
+                    args.top_k, args.seed, stop=lambda toks: toks[-1] == eot_id)
+    for i, out in enumerate(outs):
+        print(f"--- sample {i}\n{args.prompt}{decode([t for t in out if t != eot_id])}")
+    return None
+
+
+# ----------------------------------------------------------------------------- command line
+
+def build_parser():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(name, func, help, data=False, ckpt=True):
+        p = sub.add_parser(name, help=help)
+        p.set_defaults(func=func)
+        if ckpt:
+            p.add_argument("ckpt", help=".pt export, checkpoint folder or run folder")
+        p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+        p.add_argument("--json-out", help="write the result as JSON here")
+        p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
+        p.add_argument("--seed", type=int, default=0)
+        if data:
+            p.add_argument("--data", help="data folder from prepare_data.py (default: the run's data_dir)")
+            p.add_argument("--split", default="val")
+            p.add_argument("--tokens", type=int, default=65536, help="token budget")
+            p.add_argument("--batch-size", type=int, default=8)
+            p.add_argument("--seq-len", type=int, default=256)
+        return p
+
+    command("loss", run_loss, "validation loss overall and per source", data=True)
+    p = command("tokens", run_tokens, "per-token Δsym of A over B by difficulty bucket", data=True, ckpt=False)
+    p.add_argument("ckpt_a")
+    p.add_argument("ckpt_b")
+    p.add_argument("--buckets", type=int, default=10)
+    command("sink", run_sink, "attention share on the first token per layer/head", data=True)
+    p = command("weights", run_weights, "stable rank and row cosine of every matrix", ckpt=False)
+    p.add_argument("ckpts", nargs="+", help="checkpoints or run folders; several -> trajectory")
+    p.add_argument("--threshold", type=float, default=0.7)
+    p.add_argument("--max-rows", type=int, default=2048, help="row subsample for the cosine matrix")
+    p.add_argument("--heatmap", help="PNG of the clustered row-cosine matrix of --heatmap-matrix")
+    p.add_argument("--heatmap-matrix", default="layers.0.attn.wq.weight")
+    p = command("residual", run_residual, "branch / residual RMS per layer, or its exponent at init",
+                data=True, ckpt=False)
+    p.add_argument("ckpt", nargs="?")
+    p.add_argument("--init", action="store_true", help="fresh models across --widths instead of a checkpoint")
+    p.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256, 512])
+    p.add_argument("--size", default="tiny")
+    p.add_argument("--gamma", type=float, default=1.0)
+    p.add_argument("--mlp", default="gelu")
+    p.add_argument("--attn-gate", default="none")
+    p = command("bench", run_bench, "HellaSwag, GSM8K, MATH-500 or the anchor task", data=True)
+    p.add_argument("--task", required=True, choices=["hellaswag", "gsm8k", "math500", "anchor"])
+    p.add_argument("--source", help="local file in the published format, or 'hub' (default: ../shared/data/eval)")
+    p.add_argument("--limit", type=int, default=None, help="score only the first N items")
+    p.add_argument("--shots", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--num-samples", type=int, default=1, help=">1: mean accuracy and majority vote")
+    p = command("scaling", run_scaling, "fit L(N) = a N^-α + c; effective size of compared runs", ckpt=False)
+    p.add_argument("--baseline", nargs="+", required=True, help="loss JSONs (or N=loss) of the baseline sizes")
+    p.add_argument("--compare", nargs="*", default=[], help="loss JSONs (or N=loss) to express as effective sizes")
+    p.add_argument("--count", default="total", choices=["total", "active"], help="which parameter count is N")
+    p = command("report", run_report, "gather result JSONs into a markdown table", ckpt=False)
+    p.add_argument("results", nargs="+")
+    p.add_argument("--out", default="report.md")
+    p = command("sample", run_sample, "print continuations of a prompt")
+    p.add_argument("--prompt", default="\n")
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=200)
+    return parser
+
+
+def main(argv=None):
+    torch.set_num_threads(int(os.environ.get("EVAL_THREADS", "1")))
+    args = build_parser().parse_args(argv)
+    result = args.func(args)
+    if result is None:
+        return None
+    print(format_table([result["summary"]]))
+    if result.get("rows"):
+        print(format_table(result["rows"]))
+    if len(result.get("trajectory", [])) > 1:
+        print(format_table(result["trajectory"]))
+    if args.json_out:
+        write_json(args.json_out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,340 @@
+"""eval.py: every analysis against an independent computation (numpy SVD, brute-force loops,
+hand-computed probabilities, Monte Carlo), then each subcommand end to end on tiny checkpoints."""
+import bz2
+import json
+import math
+import os
+import re
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import eval as ev
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "..", "shared", "data")
+EVAL_DATA = os.path.join(DATA, "eval")
+
+
+# ----------------------------------------------------------------------------- weight structure
+
+@pytest.mark.parametrize("shape", [(7, 5), (5, 9), (32, 32)])
+def test_stable_rank_matches_numpy_svd(shape):
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
+    s = np.linalg.svd(w.numpy().astype(np.float64), compute_uv=False)
+    assert ev.stable_rank(w) == pytest.approx((s ** 2).sum() / s[0] ** 2, rel=1e-9)
+
+
+def test_stable_rank_of_rank_one_plus_noise_is_near_one():
+    g = torch.Generator().manual_seed(0)
+    w = torch.outer(torch.randn(64, generator=g), torch.randn(48, generator=g)) + 1e-4 * torch.randn(64, 48, generator=g)
+    assert 1.0 <= ev.stable_rank(w) < 1.01
+
+
+def brute_force_cosines(w, threshold):
+    w = w.numpy().astype(np.float64)
+    values = []
+    for i in range(len(w)):
+        for j in range(len(w)):
+            if i != j:
+                values.append(abs(w[i] @ w[j]) / (np.linalg.norm(w[i]) * np.linalg.norm(w[j])))
+    return np.mean(values), np.mean(np.array(values) > threshold)
+
+
+def test_row_cosine_stats_match_brute_force_on_condensed_rows():
+    # Rows condensed onto ±two directions plus noise: both statistics are far from 0 and 1.
+    g = torch.Generator().manual_seed(1)
+    directions = torch.randn(2, 16, generator=g)
+    signs = torch.tensor([1.0, -1.0])[torch.randint(2, (24,), generator=g)]
+    w = signs[:, None] * directions[torch.randint(2, (24,), generator=g)] + 0.6 * torch.randn(24, 16, generator=g)
+    mean_abs, frac = brute_force_cosines(w, 0.7)
+    stats = ev.cosine_stats(ev.row_cosines(w), 0.7)
+    assert 0.05 < frac < 0.95
+    assert stats["mean_abs_cos"] == pytest.approx(mean_abs, rel=1e-9)
+    assert stats["frac_cos_gt"] == pytest.approx(frac, abs=1e-12)
+
+
+def test_stacked_experts_are_analysed_per_expert_with_neurons_on_rows():
+    # CONTRACT: experts are (E, d_in, d_out); neuron k of expert e reads w[e][:, k].
+    w = torch.randn(3, 5, 4)
+    state = {"layers.0.mlp.w_up": w, "layers.0.mlp_norm.weight": torch.ones(5), "lm_head.weight": torch.randn(7, 5)}
+    mats = dict(ev.weight_matrices(state))
+    assert sorted(mats) == ["layers.0.mlp.w_up[0]", "layers.0.mlp.w_up[1]", "layers.0.mlp.w_up[2]", "lm_head.weight"]
+    for e in range(3):
+        for k in range(4):
+            assert torch.equal(mats[f"layers.0.mlp.w_up[{e}]"][k], w[e][:, k])
+    assert ev.matrix_kind("layers.0.mlp.w_up[2]") == "w_up[experts]"
+    assert ev.matrix_kind("layers.3.attn.wq.weight") == "wq"
+
+
+# ----------------------------------------------------------------------------- Δsym and difficulty buckets
+
+def hand_made_pair():
+    """Two models' next-token distributions over 4 tokens at 23 positions, and the targets."""
+    rng = np.random.default_rng(0)
+    p_a = rng.dirichlet(np.ones(4) * 0.7, size=23)
+    p_b = rng.dirichlet(np.ones(4) * 0.7, size=23)
+    targets = rng.integers(0, 4, size=23)
+    rows = np.arange(23)
+    return p_a[rows, targets], p_b[rows, targets]
+
+
+def test_delta_sym_is_the_probability_gap_and_antisymmetric():
+    pa, pb = hand_made_pair()
+    got = ev.delta_sym(np.log(pa), np.log(pb))
+    np.testing.assert_allclose(got, (pa - pb) / (pa + pb), rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(ev.delta_sym(np.log(pb), np.log(pa)), -got, atol=1e-15)
+    # Both probabilities underflow in float64 (e^-1000), the ratio p_A/p_B = e is still exact.
+    assert ev.delta_sym([-1000.0], [-1001.0])[0] == pytest.approx((math.e - 1) / (math.e + 1))
+
+
+def test_difficulty_buckets_match_brute_force():
+    pa, pb = hand_made_pair()
+    rows = ev.difficulty_buckets(np.log(pa), np.log(pb), n_buckets=5)
+    # 23 tokens in 5 equal-count buckets: sizes 5,5,5,4,4, tokens sorted by mean loss.
+    loss_a, loss_b = -np.log(pa), -np.log(pb)
+    order = sorted(range(23), key=lambda i: (loss_a[i] + loss_b[i]) / 2)
+    sizes, start = [5, 5, 5, 4, 4], 0
+    for row, size in zip(rows, sizes):
+        idx = order[start:start + size]
+        start += size
+        gaps = [(pa[i] - pb[i]) / (pa[i] + pb[i]) for i in idx]
+        assert row["count"] == size
+        assert row["mean_delta_sym"] == pytest.approx(np.mean(gaps), rel=1e-10)
+        assert row["win_rate_a"] == pytest.approx(np.mean([pa[i] > pb[i] for i in idx]))
+        assert row["loss_a"] == pytest.approx(np.mean(loss_a[idx]))
+        assert row["loss_b"] == pytest.approx(np.mean(loss_b[idx]))
+        assert row["difficulty_hi"] == pytest.approx(max((loss_a[i] + loss_b[i]) / 2 for i in idx))
+
+
+def test_buckets_locate_gains_on_medium_tokens():
+    # A beats B only on tokens of middle difficulty: the table must show it there and only there.
+    logp_b = -np.linspace(0.01, 8, 1000)
+    logp_a = logp_b.copy()
+    middle = (logp_b < -3) & (logp_b > -5)
+    logp_a[middle] += 0.3
+    rows = ev.difficulty_buckets(logp_a, logp_b)
+    gains = [r["mean_delta_sym"] for r in rows]
+    assert gains[0] == gains[-1] == 0 and rows[0]["win_rate_a"] == 0.5
+    assert max(gains) == pytest.approx(math.tanh(0.15)) and int(np.argmax(gains)) in (4, 5)
+    flipped = ev.difficulty_buckets(logp_b, logp_a)
+    assert [r["win_rate_a"] for r in flipped] == pytest.approx([1 - r["win_rate_a"] for r in rows])
+
+
+# ----------------------------------------------------------------------------- HellaSwag
+
+class Bigram(torch.nn.Module):
+    """A model with known next-token log-probabilities: logits = table[previous token]."""
+
+    def __init__(self, logp, max_seq_len=64):
+        super().__init__()
+        self.table = torch.nn.Parameter(logp)
+        self.cfg = SimpleNamespace(max_seq_len=max_seq_len)
+
+    def forward(self, idx, targets=None):
+        return self.table[idx], None
+
+
+def test_hellaswag_text_format_round_trip(tmp_path):
+    tasks = [("Cooking: A man cracks an egg. he", 1, ["a", "b", "c", "d"]), ("Run: She ties her shoes.", 0, list("wxyz"))]
+    path = tmp_path / "hs.txt.bz2"
+    with bz2.open(path, "wt", encoding="utf-8") as f:
+        for ctx, label, endings in tasks:
+            f.write("\n".join([ctx, str(label), *endings]) + "\n")
+    assert ev.read_hellaswag(str(path)) == [{"ctx": c, "label": l, "endings": e} for c, l, e in tasks]
+    (tmp_path / "bad.txt").write_text("ctx\n1\nonly one ending\n")
+    with pytest.raises(ValueError, match="multiple of 6"):
+        ev.read_hellaswag(str(tmp_path / "bad.txt"))
+
+
+def test_hellaswag_reads_the_published_validation_file():
+    path = os.path.join(EVAL_DATA, "hellaswag", "hellaswag_val_full.txt.bz2")
+    if not os.path.exists(path):
+        pytest.skip("shared/data/eval/hellaswag not present (offline data kit)")
+    tasks = ev.read_hellaswag(path)
+    assert len(tasks) == 10042  # the README of the data kit
+    assert tasks[0]["ctx"] == "Roof shingle removal: A man is sitting on a roof. he" and tasks[0]["label"] == 3
+    assert all(len(t["endings"]) == 4 and 0 <= t["label"] < 4 for t in tasks)
+
+
+def test_choice_scoring_and_length_normalisation_on_known_probabilities():
+    # Token 0 is the context. Ending [1] has log p = log .3; ending [2, 3] has log p(2|0) + log p(3|2).
+    p = torch.full((4, 4), 0.25)
+    p[0] = torch.tensor([0.1, 0.3, 0.25, 0.35])
+    p[2] = torch.tensor([0.1, 0.1, 0.1, 0.7])
+    model = Bigram(p.log())
+    sums, counts = ev.continuation_logprobs(model, [0], [[1], [2, 3], [3]])
+    np.testing.assert_allclose(sums, [math.log(0.3), math.log(0.25) + math.log(0.7), math.log(0.35)], rtol=1e-6)
+    assert counts == [1, 2, 1]
+    assert ev.pick_choice(sums, counts) == 1 and ev.pick_choice(sums, counts, normalise=False) == 2
+    # A constructed tie on the sum (log .3 each way): normalisation prefers the 2-token ending.
+    r = 0.3 ** 0.5
+    p[0] = torch.tensor([0.1, 0.3, r, 0.6 - r])
+    p[2] = torch.tensor([(1 - r) / 3, (1 - r) / 3, (1 - r) / 3, r])
+    sums, counts = ev.continuation_logprobs(Bigram(p.log()), [0], [[1], [2, 3]])
+    assert sums[0] == pytest.approx(sums[1], rel=1e-6)
+    assert ev.pick_choice(sums, counts) == 1 and ev.pick_choice(sums, counts, normalise=False) == 0
+
+
+def test_hellaswag_accuracy_on_a_bigram_that_knows_the_answers():
+    # "Tokenizer": one token per character; the model strongly predicts 'b' after ' ' and 'c' after 'b'.
+    p = torch.full((128, 128), 1 / 128)
+    p[ord(" "), ord("b")] = p[ord("b"), ord("c")] = 50 / 128
+    p = p / p.sum(1, keepdim=True)
+    tasks = [{"ctx": "x", "endings": ["aa", "bc", "zz", "q"], "label": 1},
+             {"ctx": "y", "endings": ["bc", "a", "b", "dd"], "label": 0},
+             {"ctx": "z", "endings": ["ab", "qq", "b", "bc"], "label": 2}]
+    acc = ev.hellaswag_accuracy(Bigram(p.log()), lambda s: [ord(ch) for ch in s], tasks)
+    assert acc == {"acc_norm": pytest.approx(2 / 3), "acc": pytest.approx(2 / 3)}
+
+
+# ----------------------------------------------------------------------------- GSM8K / MATH answers
+
+COMPLETIONS = [
+    # (completion, reference, extracted, correct)
+    ("Janet sells 16 - 3 - 4 = 9 duck eggs a day.\nShe makes 9 * 2 = $18 every day.\n#### 18", "18", "18", True),
+    ("The house cost 80,000+50,000=$130,000.\n#### 70,000", "70000", "70,000", True),
+    ("He pays $1,250.50 in total.\n#### $1,250.50", "1250.5", "$1,250.50", True),
+    ("So the answer is $\\boxed{\\dfrac{14}{3}}$.", "\\frac{14}{3}", "\\dfrac{14}{3}", True),
+    ("Therefore $x = \\boxed{\\frac{\\sqrt{3}}{2}}$.", "\\frac{\\sqrt{3}}{2}", "\\frac{\\sqrt{3}}{2}", True),
+    ("The polar form is $\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}.$", "\\left( 3, \\frac{\\pi}{2} \\right)",
+     "\\left( 3, \\frac{\\pi}{2} \\right)", True),
+    ("We get $\\boxed{0.75}$", "\\frac34", "0.75", True),
+    ("The probability is \\boxed{\\frac{3}{4}}.", "0.75", "\\frac{3}{4}", True),
+    ("The area is $\\boxed{864 \\mbox{ inches}^2}$.", "864", "864 \\mbox{ inches}^2", True),
+    ("First \\boxed{2}, but correcting: \\boxed{x=-2}", "-2", "x=-2", True),
+    ("The angle is $\\boxed{30^\\circ}$", "30", "30^\\circ", True),
+    ("It grows by \\boxed{10\\%}.", "10", "10\\%", True),
+    ("The correct option is $\\boxed{\\text{(C)}}$", "\\text{(C)}", "\\text{(C)}", True),
+    ("She has 3 apples and buys 5 more, so she has 8 apples.", "8", "8", True),
+    ("She ends with 18.00 dollars", "18", "18.00", True),
+    ("The answer is 42.", "42", "42", True),
+    ("#### 5", "6", "5", False),
+    ("So the answer is $\\boxed{2\\sqrt{3}}$", "3\\sqrt{2}", "2\\sqrt{3}", False),
+    ("I am not sure.", "7", None, False),
+]
+
+
+@pytest.mark.parametrize("completion,reference,extracted,correct", COMPLETIONS)
+def test_answer_extraction_and_matching(completion, reference, extracted, correct):
+    assert ev.extract_answer(completion) == extracted
+    assert ev.answers_match(ev.extract_answer(completion), reference) == correct
+
+
+def test_math500_reference_solutions_yield_their_answers():
+    path = os.path.join(EVAL_DATA, "math500", "test.jsonl")
+    if not os.path.exists(path):
+        pytest.skip("shared/data/eval/math500 not present (offline data kit)")
+    records = ev.read_math_records(path, "math500")
+    hits = [ev.answers_match(ev.extract_answer(r["solution"]), r["answer"]) for r in records]
+    assert len(records) == 500 and sum(hits) >= 495
+
+
+def test_gsm8k_records_and_few_shot_prompt():
+    path = os.path.join(EVAL_DATA, "gsm8k", "test.jsonl")
+    if not os.path.exists(path):
+        pytest.skip("shared/data/eval/gsm8k not present (offline data kit)")
+    records = ev.read_math_records(path, "gsm8k")
+    assert len(records) == 1319 and records[0]["answer"] == "18"
+    assert all("<<" not in r["solution"] and re.fullmatch(r"-?[\d,.]+", r["answer"]) for r in records)
+    prompt, stop = ev.few_shot_prompt(records[:2], records[2]["question"], "gsm8k")
+    assert prompt.count("Question:") == 3 and prompt.endswith("Answer:") and stop == "\n\nQuestion:"
+    assert ev.extract_answer(prompt.split("Question:")[1]) == "18"
+
+
+# ----------------------------------------------------------------------------- scaling fit
+
+def synthetic_scaling(noise, seed, a=400.0, alpha=0.32, c=1.8):
+    n = np.geomspace(1e7, 2e9, 7)
+    rng = np.random.default_rng(seed)
+    return n, a * n ** -alpha + c + noise * rng.standard_normal(len(n))
+
+
+def test_power_law_fit_recovers_known_parameters():
+    n, loss = synthetic_scaling(0.0, 0)
+    fit = ev.fit_power_law(n, loss)
+    assert fit["alpha"] == pytest.approx(0.32, rel=1e-5)
+    assert fit["a"] == pytest.approx(400.0, rel=1e-4)
+    assert fit["c"] == pytest.approx(1.8, rel=1e-5)
+
+
+def test_power_law_uncertainty_matches_monte_carlo_spread():
+    # The Jacobian standard error of α must describe how α actually scatters over noise draws.
+    fits = [ev.fit_power_law(*synthetic_scaling(0.005, seed)) for seed in range(150)]
+    spread = np.std([f["alpha"] for f in fits])
+    assert np.median([f["alpha_err"] for f in fits]) == pytest.approx(spread, rel=0.35)
+    assert abs(np.mean([f["alpha"] for f in fits]) - 0.32) < 3 * spread / math.sqrt(150) + 0.01
+
+
+def test_effective_size_inverts_the_fit():
+    n, loss = synthetic_scaling(0.0, 0)
+    fit = ev.fit_power_law(n, loss)
+    # A run of size 3e8 reaching the loss the baseline law gives at 1.44 x 3e8 is 1.44x "bigger".
+    n_eff, _ = ev.effective_size(400.0 * (1.44 * 3e8) ** -0.32 + 1.8, fit)
+    assert n_eff / 3e8 == pytest.approx(1.44, rel=1e-4)
+    with pytest.raises(ValueError, match="irreducible"):
+        ev.effective_size(1.7, fit)
+
+
+def test_scaling_and_report_commands(tmp_path, capsys):
+    n, loss = synthetic_scaling(0.002, 3)
+    out = tmp_path / "scaling.json"
+    result = ev.main(["scaling", "--baseline", *[f"{a:g}={b:.6f}" for a, b in zip(n, loss)],
+                      "--compare", f"1e8={400.0 * 1.44e8 ** -0.32 + 1.8}", "--json-out", str(out)])
+    assert result["summary"]["mean_size_ratio"] == pytest.approx(1.44, rel=0.1)
+    compare = result["rows"][-1]
+    assert 0 < compare["size_ratio_err"] < 0.2
+    loss_json = tmp_path / "loss.json"
+    ev.write_json(loss_json, {"analysis": "loss", "summary": {"loss": 2.5, "ppl": math.exp(2.5)}, "rows": []})
+    report = tmp_path / "report.md"
+    ev.main(["report", str(out), str(loss_json), "--out", str(report)])
+    text = report.read_text()
+    assert "### scaling" in text and "### loss" in text
+    header, _, row = [line for line in text.splitlines() if line.startswith("|")][-3:]
+    cells = dict(zip(*[[c.strip() for c in line.strip("|").split("|")] for line in (header, row)]))
+    assert cells["file"] == "loss.json" and float(cells["ppl"]) == pytest.approx(math.exp(2.5), rel=1e-3)
+
+
+# ----------------------------------------------------------------------------- generation and sink helpers
+
+def test_greedy_generation_follows_the_argmax_chain_and_top1_sampling_equals_it():
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(10, 10, generator=g)
+    model = Bigram(table)
+    chain, t = [], 4
+    for _ in range(6):
+        t = int(table[t].argmax())
+        chain.append(t)
+    assert ev.generate(model, [4], 6) == [chain]
+    assert ev.generate(model, [4], 6, num_samples=3, temperature=1.0, top_k=1) == [chain] * 3
+    stop_at = chain[2]
+    assert ev.generate(model, [4], 6, stop=lambda toks: toks[-1] == stop_at)[0] == chain[:chain.index(stop_at) + 1]
+
+
+def test_sampling_frequencies_follow_the_tempered_distribution():
+    table = torch.log(torch.tensor([[0.5, 0.3, 0.2]] * 3))
+    outs = ev.generate(Bigram(table), [0], 1, num_samples=4000, temperature=0.5, seed=1)
+    freq = np.bincount([o[0] for o in outs], minlength=3) / 4000
+    expected = np.array([0.5, 0.3, 0.2]) ** 2 / (np.array([0.5, 0.3, 0.2]) ** 2).sum()
+    np.testing.assert_allclose(freq, expected, atol=0.03)
+
+
+def test_document_starts_match_a_loop():
+    eot = 9
+    x = torch.tensor([[1, 2, 9, 3, 9, 9, 4, 5], [9, 1, 1, 1, 1, 9, 2, 2]])
+    expected = []
+    for row in x.tolist():
+        start, starts = 0, []
+        for t, tok in enumerate(row):
+            if t > 0 and row[t - 1] == eot:
+                start = t
+            starts.append(start)
+        expected.append(starts)
+    assert ev.document_starts(x, eot).tolist() == expected
+
+
+def test_format_table_aligns_and_formats():
+    text = ev.format_table([{"a": 1, "b": 0.123456}, {"a": 22, "b": None}])
+    assert text.splitlines() == [" a       b", " 1  0.1235", "22       -"]
