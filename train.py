@@ -1,0 +1,605 @@
+"""
+Pretrain a GPT from model.py with γ-init (init.py) on token shards from prepare_data.py.
+
+    python train.py config/tiny_bytes.py                        # CPU, one process
+    python train.py config/tiny_bytes.py --lr=3e-3 --model.norm_eps=1e-5
+    torchrun --nproc_per_node=8 train.py config/gamma1_1p5b.py  # one node, FSDP2
+    python train.py config/gamma1_1p5b.py --dry_run=8           # plan for 8 GPUs, no GPU needed
+    python train.py export out/run/ckpt_00001000 model.pt       # consolidated single file
+
+Configuration: the module-level names below are the defaults; each config file given on the
+command line is executed over them; then `--key=value` (a Python literal, else a string) and
+`--key.item=value` (one entry of a dict setting) override. Unknown names and wrong types fail.
+One code path: a single process is a 1-rank process group, so FSDP2, DCP checkpoints and the
+data order are the same for 1 CPU process and for 64 GPUs.
+"""
+
+import ast
+import builtins
+import copy
+import difflib
+import glob
+import json
+import math
+import os
+import re
+import resource
+import shutil
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from init import format_report
+from model import GPT, GPTConfig, config_for, init_model_
+
+# ----------------------------------------------------------------------------- defaults
+# run folder and data
+out_dir = "out/run"
+data_dir = "data/bytes"         # a prepare_data.py output folder
+resume = True                   # continue from the newest complete checkpoint in out_dir
+seed = 0                        # init and data order
+# model: a named size from model.SIZES plus GPTConfig fields over it
+model_size = "tiny"
+model = {}                      # e.g. {"norm_eps": 1e-5, "attn_gate": "none"}
+gamma = 1.0                     # every weight ~ N(0, d_in^-2γ)
+init_overrides = {}             # {regex on parameter name: γ}, e.g. {r"^lm_head\.": 0.5}
+attn_backend = "auto"           # "auto": flex on CUDA, sdpa on CPU (Flex has no CPU backward)
+compile = False                 # torch.compile each block (~30 s on CPU, minutes at 1.5B)
+# batch: the global batch is fixed; grad_accum = global_batch / (batch_size * world_size)
+seq_len = 256
+global_batch = 32               # sequences per optimizer step, all ranks together
+batch_size = 32                 # sequences per forward on one rank (micro-batch)
+max_steps = 1000
+# optimizer: AdamW with one parameter group per kind of parameter
+lr = 1e-3
+betas = (0.9, 0.95)
+adam_eps = 1e-8
+weight_decay = {"matrix": 0.1, "embed": 0.0, "norm": 0.0}   # decoupled, times lr
+grad_clip = 1.0                 # max global grad norm; 0 disables clipping (norm still logged)
+schedule = "cosine"             # "cosine" | "wsd" (warmup-stable-decay)
+warmup_steps = 100
+min_lr_ratio = 0.1              # final lr = lr * min_lr_ratio
+decay_frac = 0.2                # wsd: the last decay_frac of the steps decay linearly
+# logging, evaluation, checkpoints
+log_interval = 10
+eval_interval = 200             # validation loss + weight-structure metrics
+eval_batches = 8                # global batches of the validation split per evaluation
+track_weights = ["layers.0.attn.wq.weight", "layers.0.mlp.w_up.weight",
+                 "layers.{last}.attn.wq.weight", "layers.{last}.mlp.w_up.weight"]
+ckpt_interval = 500
+keep_last = 2                   # checkpoints kept, newest first ...
+keep_every = 0                  # ... plus every keep_every-th step forever (0: none)
+peak_flops = 0.0                # per device for MFU; 0: 989e12 on H100/H200, else not reported
+dry_run = 0                     # N > 0: print the plan for N ranks and exit (no data, no GPU)
+debug_nan_step = 0              # test knob: poison the loss at this step (0: never)
+# -----------------------------------------------------------------------------
+DEFAULTS = {k: v for k, v in globals().items()
+            if not k.startswith("_") and type(v) in (int, float, bool, str, list, tuple, dict)}
+SCHEDULES = ("cosine", "wsd")
+
+
+def _check_type(key, value, default):
+    want = type(default)
+    if want is float and type(value) is int:
+        return float(value)
+    if type(value) is not want:
+        raise SystemExit(f"config: {key}={value!r} is a {type(value).__name__}, expected a "
+                         f"{want.__name__} like the default {default!r}")
+    return value
+
+
+def _unknown(key, valid, where):
+    close = difflib.get_close_matches(key, list(valid), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return SystemExit(f"config: unknown key {key!r} in {where}{hint}")
+
+
+def _set(cfg, key, value, where):
+    head, _, item = key.partition(".")
+    if head not in DEFAULTS:
+        raise _unknown(head, DEFAULTS, where)
+    default = DEFAULTS[head]
+    if item:
+        # `--weight_decay.matrix=0.3` sets one entry and keeps the others (replacing the
+        # whole dict from the command line would silently drop them).
+        if type(default) is not dict:
+            raise SystemExit(f"config: {head} is not a dict setting: write --{head}=...")
+        value = {item: value}
+    if type(default) is dict and default:  # fixed entries (weight_decay): each checked
+        value = dict(_check_type(head, value, default))
+        for k, v in value.items():
+            if k not in default:
+                raise _unknown(f"{head}.{k}", [f"{head}.{d}" for d in default], where)
+            value[k] = _check_type(f"{head}.{k}", v, default[k])
+        cfg[head] = {**cfg[head], **value}
+    elif item:  # free-form dicts (model, init_overrides) are checked by GPTConfig / init.py
+        cfg[head] = {**cfg[head], **value}
+    else:
+        cfg[head] = _check_type(head, value, default)
+
+
+def load_config(argv):
+    """Defaults <- config files (in order) <- --key=value overrides; validated."""
+    cfg = copy.deepcopy(DEFAULTS)
+    for arg in argv:
+        if arg.startswith("--"):
+            key, eq, text = arg[2:].partition("=")
+            if not eq:
+                text = "True"  # a bare --flag
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                value = text  # --out_dir=out/x needs no quotes
+            _set(cfg, key, value, "the command line")
+        else:
+            if not os.path.isfile(arg):
+                raise SystemExit(f"config: no such config file {arg!r} (arguments are config "
+                                 f"files and --key=value)")
+            ns = copy.deepcopy(cfg)
+            ns["include"] = lambda name, _dir=os.path.dirname(arg): _include(ns, _dir, name)
+            exec(builtins.compile(open(arg).read(), arg, "exec"), ns)
+            for key, value in ns.items():
+                # _names are the file's own helpers; imported modules are not settings.
+                if key.startswith("_") or key == "include" or type(value).__name__ == "module":
+                    continue
+                _set(cfg, key, value, arg)
+    validate(cfg)
+    return cfg
+
+
+def _include(ns, base_dir, name):
+    """Config files share settings by include("other.py"), resolved beside the includer."""
+    path = os.path.join(base_dir, name)
+    exec(builtins.compile(open(path).read(), path, "exec"), ns)
+
+
+def validate(cfg):
+    if cfg["schedule"] not in SCHEDULES:
+        raise SystemExit(f"config: schedule={cfg['schedule']!r}: choose one of {SCHEDULES}")
+    if cfg["attn_backend"] not in ("auto", "flex", "sdpa", "eager"):
+        raise SystemExit(f"config: attn_backend={cfg['attn_backend']!r}: choose auto, flex, sdpa or eager")
+    for key in ("seq_len", "global_batch", "batch_size", "max_steps", "log_interval",
+                "eval_interval", "ckpt_interval", "keep_last"):
+        if cfg[key] < 1:
+            raise SystemExit(f"config: {key}={cfg[key]} must be >= 1")
+    if not cfg["warmup_steps"] < cfg["max_steps"]:
+        raise SystemExit(f"config: warmup_steps={cfg['warmup_steps']} must be < max_steps={cfg['max_steps']}")
+    model_config(cfg, "cpu")  # unknown size / GPTConfig field / bad value fails here, no GPU needed
+
+
+def model_config(cfg, device_type):
+    backend = cfg["attn_backend"]
+    if backend == "auto":
+        backend = "flex" if device_type == "cuda" else "sdpa"
+    try:
+        return config_for(cfg["model_size"], **{"attn_backend": backend, **cfg["model"]})
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"config: model_size={cfg['model_size']!r}, model={cfg['model']}: {e}")
+
+
+def grad_accum(cfg, world):
+    per_step = cfg["batch_size"] * world
+    if cfg["global_batch"] % per_step:
+        raise SystemExit(f"config: global_batch={cfg['global_batch']} is not a multiple of "
+                         f"batch_size*world_size={cfg['batch_size']}*{world}; change batch_size")
+    return cfg["global_batch"] // per_step
+
+
+def lr_at(cfg, step):
+    """Learning rate for the update that produces step+1."""
+    peak, low, warm, total = cfg["lr"], cfg["lr"] * cfg["min_lr_ratio"], cfg["warmup_steps"], cfg["max_steps"]
+    if step < warm:
+        return peak * (step + 1) / warm
+    if cfg["schedule"] == "cosine":
+        progress = (step - warm) / max(total - warm - 1, 1)
+        return low + 0.5 * (1 + math.cos(math.pi * progress)) * (peak - low)
+    decay_start = total - int(cfg["decay_frac"] * total)
+    if step < decay_start:
+        return peak
+    return peak - (peak - low) * (step - decay_start + 1) / (total - decay_start)
+
+
+# ----------------------------------------------------------------------------- model and optimizer
+def setup_distributed():
+    """torchrun -> its process group; plain python -> a 1-rank group (same code path)."""
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return rank, world, torch.device("cuda", local)
+    return rank, world, torch.device("cpu")
+
+
+def build_model(cfg, mcfg, device):
+    """meta -> compile blocks -> FSDP2 blocks + root -> to_empty -> γ-init (torchtitan's order).
+    Building on meta never allocates the full model on one rank; the init fills each rank's
+    shard from the same full tensors, so the weights do not depend on the world size."""
+    with torch.device("meta"):
+        net = GPT(mcfg)
+    if cfg["compile"]:
+        for block in net.layers:
+            block.compile()  # in place: parameter names (and so checkpoints) don't change
+    # bf16 params with fp32 gradient reduction on CUDA; fp32 on CPU, where bf16 matmuls are
+    # ~70x slower and exact-resume / cross-world-size tests need fp32.
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if device.type == "cuda" else MixedPrecisionPolicy()
+    for i, block in enumerate(net.layers):
+        # The last block is needed again right away by backward: don't free its params.
+        fully_shard(block, mp_policy=mp, reshard_after_forward=i < len(net.layers) - 1)
+    fully_shard(net, mp_policy=mp)
+    net.to_empty(device=device)
+    report = init_model_(net, gamma=cfg["gamma"], seed=cfg["seed"], overrides=cfg["init_overrides"] or None)
+    return net, report
+
+
+def param_groups(net, cfg):
+    """matrix: weights inside blocks (incl. MoE experts and router); embed: tok_emb and lm_head;
+    norm: 1-d gains. Each group has its own decoupled weight decay (the γ=1 recipe pairs small
+    init with larger decay on matrices, so it is swept per group)."""
+    groups = {name: [] for name in cfg["weight_decay"]}
+    for name, p in net.named_parameters():
+        kind = "norm" if p.dim() < 2 else "embed" if name.startswith(("tok_emb.", "lm_head.")) else "matrix"
+        groups[kind].append(p)
+    return [{"name": k, "params": ps, "weight_decay": cfg["weight_decay"][k]} for k, ps in groups.items() if ps]
+
+
+def make_optimizer(net, cfg, device):
+    return torch.optim.AdamW(param_groups(net, cfg), lr=cfg["lr"], betas=cfg["betas"], eps=cfg["adam_eps"],
+                             fused=device.type == "cuda")
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def checkpoints(out_dir):
+    """Complete checkpoints, oldest first. Only renamed folders count: a run killed while
+    saving leaves a tmp_ folder, never a ckpt_ folder."""
+    found = glob.glob(os.path.join(out_dir, "ckpt_*", "meta.json"))
+    return sorted(os.path.dirname(p) for p in found)
+
+
+def save_checkpoint(cfg, step, net, opt, loader, meta):
+    rank = dist.get_rank()
+    name = f"ckpt_{step:08d}"
+    tmp, final = os.path.join(cfg["out_dir"], "tmp_" + name), os.path.join(cfg["out_dir"], name)
+    model_sd, optim_sd = get_state_dict(net, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    # RNG streams differ per rank, so they can't be DCP entries (which are deduplicated).
+    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    torch.save(rng, os.path.join(tmp, f"rng_rank{rank}.pt"))
+    dist.barrier()  # every rank's shards are on disk before the folder becomes visible
+    if rank == 0:
+        write_json(os.path.join(tmp, "meta.json"), {
+            **meta, "step": step, "world_size": dist.get_world_size(), "data_state": loader.state_dict()})
+        os.rename(tmp, final)
+        done = checkpoints(cfg["out_dir"])
+        for old in done[:-cfg["keep_last"]]:
+            old_step = int(os.path.basename(old)[5:])
+            if not (cfg["keep_every"] and old_step % cfg["keep_every"] == 0):
+                shutil.rmtree(old)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path, net, opt, loader):
+    model_sd, optim_sd = get_state_dict(net, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)  # DCP reshards when the world size changed
+    set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    meta = read_json(os.path.join(path, "meta.json"))
+    loader.load_state_dict(meta["data_state"])
+    rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
+    if meta["world_size"] == dist.get_world_size():
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return meta
+
+
+def export(ckpt_dir, out_file):
+    """DCP folder -> one torch.save file with the full fp32 model; no process group needed."""
+    meta = read_json(os.path.join(ckpt_dir, "meta.json"))
+    with torch.device("meta"):
+        net = GPT(GPTConfig(**meta["model_config"]))
+    net.to_empty(device="cpu")
+    state = {"model": net.state_dict()}
+    dcp.load(state, checkpoint_id=ckpt_dir)  # without a process group DCP reads every shard
+    payload = {"model": state["model"], **{k: meta[k] for k in ("model_config", "config", "step", "data_meta")}}
+    tmp = out_file + ".tmp"
+    torch.save(payload, tmp)
+    os.replace(tmp, out_file)
+    print(f"exported {ckpt_dir} (step {meta['step']}) -> {out_file}")
+
+
+def write_json(path, obj):
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+# ----------------------------------------------------------------------------- measurement
+def memory_estimate(net, mcfg, cfg, world, accum, device_type="cuda"):
+    """Bytes per GPU, roughly: sharded fp32 state + gathered bf16 blocks + activations + logits."""
+    n = sum(p.numel() for p in net.parameters())
+    embed = sum(p.numel() for name, p in net.named_parameters() if name.startswith(("tok_emb.", "lm_head.")))
+    per_block = (n - embed) / mcfg.n_layer
+    act = 2 if device_type == "cuda" else 4  # bytes per activation value
+    tokens = cfg["batch_size"] * cfg["seq_len"]
+    parts = {
+        "params+grads+adam (fp32, sharded)": 16 * n / world,
+        # root params (embeddings/head) and ~2 blocks (current + prefetched) all-gathered
+        "gathered params": act * (embed + 2 * per_block),
+        # Korthikanti et al.'s ~17 values per token and d_model per layer (no T x T scores:
+        # flex/sdpa are fused); with checkpointing only each block's input is kept, plus one
+        # block recomputed at a time.
+        "activations": act * tokens * mcfg.d_model * (
+            mcfg.n_layer + 17 if mcfg.activation_checkpointing else 17 * mcfg.n_layer),
+        "logits (+fp32 loss copy, grads)": tokens * mcfg.vocab_size * (act + 4 + 4),
+    }
+    if accum > 1:  # gradients stay unsharded between micro-steps (no reduce-scatter until the last)
+        parts["unsharded grads (accumulation)"] = act * n
+    return parts
+
+
+def matmul_peak(cfg, device):
+    if cfg["peak_flops"]:
+        return cfg["peak_flops"]
+    if device.type == "cuda" and re.search(r"H100|H200", torch.cuda.get_device_name(device)):
+        return 989e12  # bf16 dense
+    return 0.0
+
+
+@torch.no_grad()
+def weight_structure(net, names):
+    """Stable rank ||W||_F^2 / ||W||_2^2 and mean |cos| between distinct rows (neurons): the
+    condensation signal (γ=1 should show high cosine / low rank early that later relaxes)."""
+    params = dict(net.named_parameters())
+    out = {}
+    for name in names:
+        w = params[name]
+        w = (w.full_tensor() if isinstance(w, DTensor) else w).float()  # collective: all ranks
+        if w.dim() == 3:
+            w = w[0].T  # stacked experts (E, d_in, d_out): expert 0, one row per neuron
+        s = torch.linalg.matrix_norm(w, ord=2)
+        u = torch.nn.functional.normalize(w, dim=1)
+        cos = (u @ u.T).abs()
+        r = w.shape[0]
+        out[name] = {"stable_rank": (w.square().sum() / s.square()).item(),
+                     "mean_abs_cos": ((cos.sum() - cos.diagonal().sum()) / max(r * (r - 1), 1)).item()}
+    return out
+
+
+@torch.no_grad()
+def evaluate(net, cfg, rank, world, device):
+    """Token-weighted validation loss over eval_batches fixed global batches (same every time)."""
+    from prepare_data import TokenLoader
+    loader = TokenLoader(cfg["data_dir"], "val", cfg["global_batch"], cfg["seq_len"], seed=cfg["seed"])
+    total = torch.zeros(2, device=device)
+    net.eval()
+    for _ in range(cfg["eval_batches"]):
+        x, y = loader.next_batch()
+        for xb, yb in micro_batches(x, y, cfg["batch_size"], rank, world):
+            _, loss = net(xb.to(device), yb.to(device))
+            n = (yb != -1).sum()
+            if n:
+                total += torch.stack([loss.float() * n, n.to(total)])
+    net.train()
+    dist.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
+def micro_batches(x, y, batch_size, rank, world):
+    """Rank r's rows of each micro-step: micro-step m holds rows [m*world*B, (m+1)*world*B)."""
+    for start in range(rank * batch_size, x.shape[0], world * batch_size):
+        yield x[start:start + batch_size], y[start:start + batch_size]
+
+
+# ----------------------------------------------------------------------------- main
+def log0(*args):
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def print_plan(cfg, world):
+    mcfg = model_config(cfg, "cuda")
+    with torch.device("meta"):
+        net = GPT(mcfg)
+    accum = grad_accum(cfg, world)
+    counts = net.num_params()
+    tokens_step = cfg["global_batch"] * cfg["seq_len"]
+    fpt = net.flops_per_token(cfg["seq_len"])
+    mem = memory_estimate(net, mcfg, cfg, world, accum)
+    print(f"model {cfg['model_size']}: {counts['total']:,} params ({counts['active']:,} active, "
+          f"{counts['embedding']:,} embedding); {mcfg.n_layer} layers, d_model {mcfg.d_model}, "
+          f"{mcfg.n_head} heads, gate {mcfg.attn_gate}, norm_eps {mcfg.norm_eps:g}, gamma {cfg['gamma']}")
+    print(f"world {world}: batch {cfg['batch_size']} x {cfg['seq_len']} per rank, grad_accum {accum}, "
+          f"{tokens_step:,} tokens/step, {cfg['max_steps']:,} steps = {tokens_step * cfg['max_steps'] / 1e9:.3g}B tokens")
+    print(f"FLOPs/token {fpt:.4g}; total {fpt * tokens_step * cfg['max_steps']:.3g} FLOPs")
+    for part, b in mem.items():
+        print(f"  {part:<36} {b / 2**30:8.2f} GiB")
+    print(f"memory/GPU (estimate, bf16 on CUDA)     {sum(mem.values()) / 2**30:8.2f} GiB")
+    return {"params": counts, "tokens_per_step": tokens_step, "grad_accum": accum,
+            "flops_per_token": fpt, "memory_bytes": sum(mem.values())}
+
+
+def train(cfg):
+    from prepare_data import TokenLoader, load_meta
+    rank, world, device = setup_distributed()
+    torch.manual_seed(cfg["seed"])
+    accum = grad_accum(cfg, world)
+    data_meta = load_meta(cfg["data_dir"])
+    mcfg = model_config(cfg, device.type)
+    if mcfg.vocab_size < data_meta["vocab_size"]:
+        raise SystemExit(f"model vocab_size={mcfg.vocab_size} < data vocab_size={data_meta['vocab_size']} "
+                         f"({cfg['data_dir']}): pick a model size for tokenizer {data_meta['tokenizer']!r}")
+    if "record_len" in data_meta and cfg["seq_len"] != data_meta["record_len"] - 1:
+        raise SystemExit(f"config: seq_len={cfg['seq_len']} but {cfg['data_dir']} holds records of "
+                         f"{data_meta['record_len']} tokens: set seq_len={data_meta['record_len'] - 1}")
+    out = cfg["out_dir"]
+    done = checkpoints(out)
+    if done and not cfg["resume"]:
+        raise SystemExit(f"{out} already holds checkpoints ({os.path.basename(done[-1])}); "
+                         f"pass --resume=True or choose another out_dir")
+    net, init_report = build_model(cfg, mcfg, device)
+    opt = make_optimizer(net, cfg, device)
+    # Every rank reads the whole global batch and keeps its rows, so the data order depends
+    # only on (seed, global_batch), never on the world size or micro-batch size: resuming on
+    # another world size, 1 vs N ranks and 1x4 vs 4x1 accumulation all see the same tokens.
+    loader = TokenLoader(cfg["data_dir"], "train", cfg["global_batch"], cfg["seq_len"], seed=cfg["seed"])
+    track = [n.format(last=mcfg.n_layer - 1) for n in cfg["track_weights"]]
+    names = dict(net.named_parameters())
+    for n in track:
+        if n not in names:
+            raise _unknown(n, names, "track_weights")
+    step = 0
+    if rank == 0:
+        os.makedirs(out, exist_ok=True)
+        for stale in glob.glob(os.path.join(out, "tmp_ckpt_*")):
+            shutil.rmtree(stale)  # left by a run killed while saving
+    dist.barrier()
+    if done:
+        meta = load_checkpoint(done[-1], net, opt, loader)
+        step = meta["step"]
+        log0(f"resumed from {done[-1]} at step {step}")
+        if meta["world_size"] != world:
+            log0(f"world size {meta['world_size']} -> {world}: DCP resharded model and optimizer; the "
+                 f"data order is unchanged (global batches), grad_accum is now {accum}, per-rank RNG "
+                 f"streams restart from seed, and float reductions run in a different order")
+    meta_common = {"config": cfg, "model_config": asdict(mcfg), "data_meta": data_meta}
+    metrics_path = os.path.join(out, "metrics.jsonl")
+    if rank == 0:
+        log0(json.dumps(cfg, indent=1))
+        write_json(os.path.join(out, "config.json"), cfg)
+        if step == 0:
+            log0(format_report(init_report))
+        truncate_metrics(metrics_path, step)
+    metrics = open(metrics_path, "a") if rank == 0 else None
+
+    def record(row):
+        if rank == 0:
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+
+    def evaluate_and_record():
+        val = evaluate(net, cfg, rank, world, device)
+        row = {"step": step, "val_loss": val, "weights": weight_structure(net, track)}
+        log0(f"step {step}: val loss {val:.4f}")
+        record(row)
+
+    peak = matmul_peak(cfg, device)
+    fpt = net.flops_per_token(cfg["seq_len"])
+    tokens_step = cfg["global_batch"] * cfg["seq_len"]
+    last_ckpt = done[-1] if done else None
+    if step == 0:
+        evaluate_and_record()
+    train_time, step_log, time_log = 0.0, step, 0.0  # training time only: no eval/checkpoints
+    while step < cfg["max_steps"]:
+        t0 = time.time()
+        lr = lr_at(cfg, step)
+        for group in opt.param_groups:
+            group["lr"] = lr
+            group["weight_decay"] = cfg["weight_decay"][group["name"]]  # config wins over a checkpoint's
+        x, y = loader.next_batch()
+        n_total = (y != -1).sum()
+        loss_sum = torch.zeros((), device=device)
+        for m, (xb, yb) in enumerate(micro_batches(x, y, cfg["batch_size"], rank, world)):
+            # FSDP2: reduce-scatter gradients only after the last micro-step.
+            net.set_requires_gradient_sync(m == accum - 1)
+            _, loss = net(xb.to(device, non_blocking=True), yb.to(device, non_blocking=True))
+            if step + 1 == cfg["debug_nan_step"]:
+                loss = loss * float("nan")
+            # Weight by this micro-batch's share of the global batch's loss tokens: the update is
+            # then the gradient of the global token mean for any split. FSDP averages over ranks,
+            # so undo that division with * world.
+            share = (yb != -1).sum() / n_total
+            (loss * share * world).backward()
+            loss_sum += loss.detach() * share
+        dist.all_reduce(loss_sum)
+        grads = [p.grad for p in net.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()  # sum of the shards' squares over ranks: the global norm
+        if cfg["grad_clip"] > 0:
+            torch.nn.utils.clip_grads_with_norm_(grads, cfg["grad_clip"], norm)
+        loss_val, norm_val = torch.stack([loss_sum, norm.to(loss_sum)]).tolist()  # one sync per step
+        if not (math.isfinite(loss_val) and math.isfinite(norm_val)):
+            raise SystemExit(f"non-finite loss {loss_val} / grad norm {norm_val} at step {step + 1}; the "
+                             f"update was not applied. Last good checkpoint: {last_ckpt or 'none'} (intact). "
+                             f"Resume from it with a lower lr, longer warmup or tighter grad_clip.")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        moe_counts = net.update_moe_bias(all_reduce=dist.all_reduce)
+        step += 1
+        train_time += time.time() - t0
+        if step % cfg["log_interval"] == 0 or step == cfg["max_steps"]:
+            tps = tokens_step * (step - step_log) / (train_time - time_log)
+            eta = (cfg["max_steps"] - step) * tokens_step / tps
+            row = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": norm_val, "tokens_per_s": tps,
+                   "mfu": fpt * tps / (peak * world) if peak else None, "mem_gib": memory_used(device),
+                   "eta_s": eta, "tokens": step * tokens_step}
+            if moe_counts is not None:
+                load = moe_counts.float() / moe_counts.sum(-1, keepdim=True) * moe_counts.shape[-1]
+                row.update(expert_load=load.tolist(), aux_loss=net.aux_loss.item())
+            mfu = f"{row['mfu']:.1%}" if peak else "n/a"
+            log0(f"step {step}/{cfg['max_steps']} loss {loss_val:.4f} lr {lr:.3g} grad norm {norm_val:.3g} "
+                 f"{tps:,.0f} tok/s mfu {mfu} mem {row['mem_gib']:.2f} GiB eta {eta / 60:.1f} min")
+            record(row)
+            step_log, time_log = step, train_time
+        if step % cfg["eval_interval"] == 0 or step == cfg["max_steps"]:
+            evaluate_and_record()
+        if step % cfg["ckpt_interval"] == 0 or step == cfg["max_steps"]:
+            last_ckpt = save_checkpoint(cfg, step, net, opt, loader, meta_common)
+            log0(f"saved {last_ckpt}")
+    if metrics:
+        metrics.close()
+
+
+def memory_used(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS, KiB on Linux
+
+
+def truncate_metrics(path, step):
+    """On resume, drop rows the killed run wrote after its last checkpoint: they are redone."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(rows)
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["export"]:
+        if len(sys.argv) != 4:
+            raise SystemExit("usage: python train.py export <ckpt_dir> <file.pt>")
+        export(sys.argv[2], sys.argv[3])
+    else:
+        config = load_config(sys.argv[1:])
+        if config["dry_run"]:
+            print_plan(config, config["dry_run"])
+        else:
+            try:
+                train(config)
+            finally:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
