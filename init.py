@@ -1,0 +1,166 @@
+"""
+The γ initialization rule, for any nn.Module.
+
+Every weight matrix W with fan-in d_in is drawn from N(0, σ²) with σ = d_in^-γ.
+γ = 0.5 is the usual LeCun/Xavier-style scale; γ = 1 (smaller) is the recommended default.
+Norm weights are set to 1 and biases to 0. Anything this file cannot classify is left
+untouched and reported (and warned about), never silently mis-scaled.
+
+This file imports only torch and the standard library: copy it into another codebase and call
+
+    from init import gamma_init_, format_report
+    report = gamma_init_(model, gamma=1.0, seed=0)
+    print(format_report(report))
+
+Every parameter is drawn from its own generator, seeded from `seed` and the parameter's
+name, on the CPU, as a full tensor. So the weights do not depend on the order modules are
+visited, on the device, or on how the model is sharded: under FSDP2 each rank fills its own
+shard from the same full tensor, and 1 rank and N ranks end with identical full weights.
+"""
+
+import math
+import re
+import warnings
+
+import torch
+from torch import nn
+
+# Wrappers that insert a path component without changing what a parameter is
+# (torch.compile's OptimizedModule, activation checkpointing, FSDP1). Names are cleaned of
+# them so seeds, overrides and reports are the same with or without the wrapper.
+_WRAPPER_PARTS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+
+_NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
+
+
+def clean_name(name):
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def _name_seed(seed, name):
+    # 64-bit FNV-1a of the name, mixed with the seed: stable across processes and Python
+    # versions (unlike hash(), which is salted per process).
+    h = 0xCBF29CE484222325
+    for byte in name.encode():
+        h = ((h ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return (h ^ (seed * 0x9E3779B97F4A7C15)) & 0x7FFFFFFFFFFFFFFF
+
+
+def _is_norm(module):
+    return isinstance(module, _NORM_TYPES) or "norm" in type(module).__name__.lower()
+
+
+def _declared_dim(module, param_name, fan_in_dims):
+    """Input dimension declared for this parameter, or None.
+
+    A module declares it with a class attribute `gamma_fan_in_dims = {"w_up": 1}` (the index
+    of the dimension that holds d_in); a caller declares it for classes it cannot edit with
+    `fan_in_dims={Conv1D: {"weight": 0}}` (class or class name as key).
+    """
+    for key in (type(module), type(module).__name__):
+        if fan_in_dims and key in fan_in_dims and param_name in fan_in_dims[key]:
+            return fan_in_dims[key][param_name]
+    return getattr(module, "gamma_fan_in_dims", {}).get(param_name)
+
+
+def classify(module, param_name, param, fan_in_dims=None, embedding_fan_in="embedding_dim"):
+    """Return (action, d_in, reason): action is "normal", "ones", "zeros" or "skipped"."""
+    dim = _declared_dim(module, param_name, fan_in_dims)
+    if dim is not None:
+        return "normal", param.shape[dim], "declared"
+    if param_name == "bias" or param_name.endswith("_bias"):
+        return "zeros", None, "bias"
+    if _is_norm(module):
+        if param_name == "weight" and param.dim() == 1:
+            return "ones", None, "norm weight"
+        return "skipped", None, f"unrecognised norm parameter of {type(module).__name__}"
+    if isinstance(module, nn.Linear) and param_name == "weight":
+        return "normal", param.shape[1], "Linear (out, in)"
+    if isinstance(module, nn.Embedding) and param_name == "weight":
+        if embedding_fan_in not in ("embedding_dim", "num_embeddings"):
+            raise ValueError(f"embedding_fan_in={embedding_fan_in!r}: use 'embedding_dim' or 'num_embeddings'")
+        return "normal", getattr(module, embedding_fan_in), f"Embedding ({embedding_fan_in})"
+    if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed and param_name == "weight":
+        # (out, in/groups, *kernel): every input channel of every kernel tap feeds one output.
+        return "normal", math.prod(param.shape[1:]), "Conv (out, in/groups, *kernel)"
+    if isinstance(module, nn.MultiheadAttention) and param_name.endswith("proj_weight"):
+        return "normal", param.shape[1], "MultiheadAttention (out, in)"
+    return "skipped", None, (f"unknown parameter {param_name!r} of {type(module).__name__}: declare its "
+                             f"fan-in with fan_in_dims={{{type(module).__name__}: {{{param_name!r}: DIM}}}}")
+
+
+def _gamma_for(name, gamma, overrides):
+    # First matching pattern wins, so put specific patterns before general ones.
+    for pattern, value in (overrides or {}).items():
+        if re.search(pattern, name):
+            return value
+    return gamma
+
+
+@torch.no_grad()
+def _fill_(param, full):
+    """Copy a full CPU tensor into a parameter, or into this rank's shard of a DTensor."""
+    if hasattr(param, "device_mesh") and hasattr(param, "placements"):
+        from torch.distributed.tensor import distribute_tensor
+        # src_data_rank=None: every rank already holds the identical full tensor, so each
+        # takes its own chunk locally, with the same chunking rule FSDP2 uses, and no comms.
+        full = distribute_tensor(full.to(param.device_mesh.device_type), param.device_mesh,
+                                 param.placements, src_data_rank=None)
+    param.copy_(full.to(dtype=param.dtype))
+
+
+@torch.no_grad()
+def gamma_init_(module, gamma=1.0, seed=0, overrides=None, fan_in_dims=None,
+                embedding_fan_in="embedding_dim"):
+    """Initialise every parameter of `module` in place by the γ rule; return a report.
+
+    gamma:            exponent in σ = d_in^-γ for every weight matrix.
+    seed:             with the parameter name, decides every value (see the module docstring).
+    overrides:        {regex: gamma}, searched in the cleaned parameter name, first match wins,
+                      e.g. {r"^lm_head\\.": 0.5} keeps the output head at the standard scale.
+    fan_in_dims:      {class or class name: {param name: index of the d_in dimension}} for layers
+                      this file does not know, e.g. GPT-2's transposed Conv1D: {"Conv1D": {"weight": 0}}.
+    embedding_fan_in: "embedding_dim" (default: token vectors start at RMS d^-γ, the scale the
+                      residual-stream balance assumes) or "num_embeddings".
+
+    Returns a list of rows {name, shape, d_in, gamma, std, action, reason}.
+    """
+    report, seen, skipped = [], {}, []
+    for module_name, mod in module.named_modules():
+        for param_name, param in mod.named_parameters(recurse=False):
+            name = clean_name(f"{module_name}.{param_name}" if module_name else param_name)
+            row = {"name": name, "shape": tuple(param.shape), "d_in": None, "gamma": None, "std": None}
+            if id(param) in seen:  # tied weights: drawn once, under the first name
+                report.append({**row, "action": "tied", "reason": f"same tensor as {seen[id(param)]}"})
+                continue
+            seen[id(param)] = name
+            if param.is_meta:
+                raise ValueError(f"{name} is on the meta device: call module.to_empty(device=...) before gamma_init_")
+            action, d_in, reason = classify(mod, param_name, param, fan_in_dims, embedding_fan_in)
+            if action == "normal":
+                g = _gamma_for(name, gamma, overrides)
+                std = float(d_in) ** -g
+                generator = torch.Generator().manual_seed(_name_seed(seed, name))
+                full = torch.randn(param.shape, generator=generator, dtype=torch.float32).mul_(std)
+                _fill_(param, full)
+                row.update(d_in=int(d_in), gamma=float(g), std=std)
+            elif action in ("ones", "zeros"):
+                _fill_(param, torch.full(param.shape, 1.0 if action == "ones" else 0.0))
+            else:
+                skipped.append(name)
+            report.append({**row, "action": action, "reason": reason})
+    if skipped:
+        warnings.warn(f"gamma_init_ left {len(skipped)} parameter(s) untouched (see the report): {', '.join(skipped)}")
+    return report
+
+
+def format_report(report):
+    """The report as a fixed-width table, one parameter a line."""
+    lines = [f"{'parameter':<44} {'shape':<20} {'d_in':>7} {'gamma':>6} {'std':>10}  action"]
+    for r in report:
+        d_in = "" if r["d_in"] is None else str(r["d_in"])
+        g = "" if r["gamma"] is None else f"{r['gamma']:g}"
+        std = "" if r["std"] is None else f"{r['std']:.3e}"
+        action = r["action"] if r["action"] in ("normal", "ones", "zeros") else f"{r['action']}: {r['reason']}"
+        lines.append(f"{r['name']:<44} {str(r['shape']):<20} {d_in:>7} {g:>6} {std:>10}  {action}")
+    return "\n".join(lines)

@@ -1,0 +1,502 @@
+"""
+The smallinit model: a pre-norm decoder (dense or MoE) built to test small initialization.
+
+- RMSNorm in fp32 with an explicit eps. Under γ=1 the residual stream starts at RMS d^-1
+  (≈5e-4 at d=2048, mean square ≈2e-7): eps=1e-5 would dominate the mean square and the norm
+  would stop normalizing (output RMS ≈0.15 instead of 1). The default is 1e-12.
+- RoPE, GQA, SwiGLU (default) or GELU MLP, untied embeddings by default.
+- Gated attention: each head's output is multiplied by sigmoid(X W_g), X being the same normed
+  input that feeds q/k/v, before the heads are merged and projected. The gate is query-dependent
+  and lets a head output ~nothing without parking its probability mass on a sink token.
+- Attention backends that share ONE mask definition: flex (FlexAttention, block mask built once
+  per batch), sdpa (dense mask from the same mask_mod: the CPU training path, since Flex has no
+  CPU backward) and eager (explicit softmax; its probabilities can be captured for analysis).
+- MoE: token-choice top-k, dropless, experts stored as stacked (E, d_in, d_out) weights, computed
+  with torch._grouped_mm or a reference loop; balanced by an aux-loss-free selection bias and/or
+  an auxiliary loss.
+"""
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+from torch.utils.checkpoint import checkpoint
+
+from init import gamma_init_
+
+MLP_KINDS = ("swiglu", "gelu")
+ATTN_GATES = ("elementwise", "headwise", "none")
+ATTN_BACKENDS = ("flex", "sdpa", "eager")
+ROUTER_SCORES = ("softmax", "sigmoid")
+MOE_IMPLS = ("grouped", "reference")
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 257           # byte-level tokenizer: 256 bytes + end-of-text
+    n_layer: int = 2
+    n_head: int = 2
+    n_kv_head: int = 0              # 0 -> n_head (multi-head); fewer -> grouped-query attention
+    d_model: int = 64
+    d_ff: int = 0                   # 0 -> 4*d (gelu) or 8/3*d rounded up (swiglu): same params either way
+    ff_multiple_of: int = 64
+    mlp: str = "swiglu"
+    norm_eps: float = 1e-12
+    attn_gate: str = "elementwise"
+    attn_backend: str = "sdpa"
+    doc_mask: bool = False          # document-causal attention; documents end at eot_id
+    eot_id: int = -1
+    rope_theta: float = 10000.0
+    max_seq_len: int = 1024
+    tie_embeddings: bool = False
+    n_experts: int = 0              # 0 -> dense MLP; >0 -> an MoE MLP in every block
+    top_k: int = 2
+    d_expert: int = 0               # 0 -> d_ff
+    router_score: str = "softmax"
+    moe_impl: str = "grouped"
+    moe_aux_loss_coef: float = 0.0
+    moe_bias_rate: float = 1e-3     # step of the aux-loss-free selection bias; 0 disables it
+    activation_checkpointing: bool = False
+
+    def __post_init__(self):
+        for f in fields(self):
+            value, want = getattr(self, f.name), {float: (int, float)}.get(f.type, f.type)
+            if not isinstance(value, want) or (f.type is not bool and isinstance(value, bool)):
+                raise ValueError(f"GPTConfig.{f.name}={value!r}: expected {f.type.__name__}")
+        for name, value, allowed in (("mlp", self.mlp, MLP_KINDS), ("attn_gate", self.attn_gate, ATTN_GATES),
+                                     ("attn_backend", self.attn_backend, ATTN_BACKENDS),
+                                     ("router_score", self.router_score, ROUTER_SCORES),
+                                     ("moe_impl", self.moe_impl, MOE_IMPLS)):
+            if value not in allowed:
+                raise ValueError(f"GPTConfig.{name}={value!r}: choose one of {', '.join(allowed)}")
+        if self.n_kv_head == 0:
+            self.n_kv_head = self.n_head
+        if self.d_model % self.n_head or self.n_head % self.n_kv_head:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}, "
+                             f"and n_head by n_kv_head={self.n_kv_head}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE: change d_model or n_head")
+        if not self.norm_eps > 0:
+            raise ValueError(f"norm_eps={self.norm_eps}: must be > 0 (use 1e-12 for small init)")
+        if self.d_ff == 0:
+            self.d_ff = 4 * self.d_model if self.mlp == "gelu" else \
+                self.ff_multiple_of * math.ceil(8 * self.d_model / 3 / self.ff_multiple_of)
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
+        if self.d_expert == 0:
+            self.d_expert = self.d_ff
+        if self.doc_mask and not 0 <= self.eot_id < self.vocab_size:
+            raise ValueError(f"doc_mask=True needs eot_id in [0, vocab_size={self.vocab_size}), got {self.eot_id}")
+
+    @property
+    def head_dim(self):
+        return self.d_model // self.n_head
+
+
+# Named sizes. The paper's dense scales are counted in total parameters (embeddings included)
+# with the cl100k_base vocabulary (100,277 tokens, padded to 100,352 = 784*128 for fast
+# matmuls): it encodes both Chinese and English, which the paper's bilingual corpus needs, at
+# half the embedding cost of o200k_base, which matters at 0.1B where the two embedding tables
+# are already ~3/4 of the parameters. "tiny"/"small" are byte-level CPU sizes.
+CL100K_VOCAB = 100352
+SIZES = {
+    "tiny": dict(n_layer=2, n_head=2, d_model=64),
+    "small": dict(n_layer=4, n_head=4, d_model=128),
+    "0.1b": dict(vocab_size=CL100K_VOCAB, n_layer=12, n_head=6, d_model=384),
+    "0.3b": dict(vocab_size=CL100K_VOCAB, n_layer=18, n_head=12, d_model=768),
+    "0.5b": dict(vocab_size=CL100K_VOCAB, n_layer=22, n_head=16, d_model=1024),
+    "1b": dict(vocab_size=CL100K_VOCAB, n_layer=24, n_head=12, d_model=1536),
+    "1.5b": dict(vocab_size=CL100K_VOCAB, n_layer=20, n_head=16, d_model=2048),
+    "moe-0.5b": dict(vocab_size=CL100K_VOCAB, n_layer=12, n_head=12, d_model=768,
+                     n_experts=8, top_k=2, d_expert=1536),
+    "moe-1.5b": dict(vocab_size=CL100K_VOCAB, n_layer=16, n_head=16, d_model=1024,
+                     n_experts=16, top_k=2, d_expert=1536),
+}
+
+
+def config_for(size, **overrides):
+    if size not in SIZES:
+        raise ValueError(f"unknown model size {size!r}: choose one of {', '.join(SIZES)}")
+    known = {f.name for f in fields(GPTConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"unknown GPTConfig field(s) {unknown}")
+    return GPTConfig(**{**SIZES[size], **overrides})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # fp32: at RMS 1e-3 the mean square is 1e-6, and bf16's 8-bit mantissa plus a tiny eps
+        # would make the rsqrt noisy exactly where small init lives.
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).type_as(x)
+
+
+def rope_cos_sin(seq_len, head_dim, theta, device):
+    # Computed per forward (T x head_dim/2, negligible) rather than stored as a buffer, so a
+    # model built on the meta device needs no buffer re-initialisation after to_empty().
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    # Rotates the pairs (i, i + head_dim/2): x is (B, H, T, head_dim), cos/sin are (T, head_dim/2).
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks: one definition (a mask_mod), rendered as a BlockMask for flex or a dense bool mask
+# for sdpa/eager, so the backends cannot disagree about who attends to whom.
+
+def causal_mask_mod(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def document_ids(idx, eot_id):
+    # The end-of-text token closes its document, so a token's document is the number of
+    # end-of-text tokens strictly before it.
+    is_eot = (idx == eot_id).int()
+    return torch.cumsum(is_eot, dim=1) - is_eot
+
+
+def document_causal_mask_mod(doc_ids):
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+    return mask_mod
+
+
+def build_attention_mask(idx, cfg, backend):
+    B, T = idx.shape
+    if cfg.doc_mask:
+        mask_mod, batch = document_causal_mask_mod(document_ids(idx, cfg.eot_id)), B
+    else:
+        mask_mod, batch = causal_mask_mod, None
+    if backend == "flex":
+        # Built once per batch and shared by every layer; compiled on CUDA, where the eager
+        # builder would materialise a full B x T x T mask.
+        return create_block_mask(mask_mod, batch, None, T, T, device=idx.device, _compile=idx.is_cuda)
+    return create_mask(mask_mod, batch or 1, 1, T, T, device=idx.device)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.backend, self.gate = cfg.attn_backend, cfg.attn_gate
+        d, hd = cfg.d_model, cfg.head_dim
+        self.wq = nn.Linear(d, cfg.n_head * hd, bias=False)
+        self.wk = nn.Linear(d, cfg.n_kv_head * hd, bias=False)
+        self.wv = nn.Linear(d, cfg.n_kv_head * hd, bias=False)
+        if self.gate != "none":
+            self.wg = nn.Linear(d, cfg.n_head * (hd if self.gate == "elementwise" else 1), bias=False)
+        self.wo = nn.Linear(cfg.n_head * hd, d, bias=False)
+        # Identity tap: a forward hook on it sees the eager backend's attention probabilities.
+        self.probs_tap = nn.Identity()
+
+    def forward(self, x, cos, sin, mask):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        gqa = self.n_kv_head != self.n_head
+        if self.backend == "flex":
+            y = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        elif self.backend == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        else:
+            y = self.eager_attention(q, k, v, mask)
+        if self.gate != "none":
+            g = torch.sigmoid(self.wg(x).float()).view(B, T, self.n_head, -1).transpose(1, 2)
+            y = (y.float() * g).type_as(y)
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+
+    def eager_attention(self, q, k, v, mask):
+        repeat = self.n_head // self.n_kv_head
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(self.head_dim)
+        probs = self.probs_tap(scores.masked_fill(~mask, float("-inf")).softmax(dim=-1))
+        return probs.type_as(v) @ v
+
+
+def feed_forward(x, kind, project):
+    """SwiGLU or GELU MLP; project(t, name) applies the weight called name to t."""
+    if kind == "swiglu":
+        h = F.silu(project(x, "w_gate")) * project(x, "w_up")
+    else:
+        h = F.gelu(project(x, "w_up"))
+    return project(h, "w_down")
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.kind = cfg.mlp
+        if self.kind == "swiglu":
+            self.w_gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.w_up = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.w_down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x):
+        return feed_forward(x, self.kind, lambda t, name: getattr(self, name)(t))
+
+
+# Rows of each expert's token group are padded to a multiple of this: grouped GEMM kernels
+# load tiles with 16-byte-aligned TMA copies (8 bf16 rows in the weight-gradient GEMM, whose
+# contraction runs over tokens). The padding rows are zeros and are never read back.
+GROUP_ALIGN = 16
+
+
+class MoE(nn.Module):
+    # Experts are (E, d_in, d_out): the per-expert fan-in is dimension 1, never the expert count.
+    gamma_fan_in_dims = {"w_gate": 1, "w_up": 1, "w_down": 1}
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.kind, self.impl, self.score = cfg.mlp, cfg.moe_impl, cfg.router_score
+        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        E, d, f = cfg.n_experts, cfg.d_model, cfg.d_expert
+        self.router = nn.Linear(d, E, bias=False)
+        if self.kind == "swiglu":
+            self.w_gate = nn.Parameter(torch.empty(E, d, f))
+        self.w_up = nn.Parameter(torch.empty(E, d, f))
+        self.w_down = nn.Parameter(torch.empty(E, f, d))
+        # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores only to
+        # choose experts, never to weigh them. Persistent: it is training state.
+        self.register_buffer("expert_bias", torch.zeros(E))
+        self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)
+
+    def forward(self, x):
+        """Returns (output, aux_loss, tokens routed to each expert)."""
+        B, T, d = x.shape
+        xf = x.reshape(-1, d)
+        scores = self.router(xf).float()
+        scores = scores.softmax(dim=-1) if self.score == "softmax" else torch.sigmoid(scores)
+        expert_idx = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices  # (N, k)
+        weights = scores.gather(-1, expert_idx)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat_expert = expert_idx.flatten()
+        # scatter_add, not bincount: a fixed output shape keeps torch.compile graphs whole.
+        counts = torch.zeros(self.n_experts, device=x.device).scatter_add_(
+            0, flat_expert, torch.ones_like(flat_expert, dtype=torch.float32))
+        # Switch/GShard balance loss E * sum_e f_e * P_e: f = share of routed slots, P = mean
+        # (normalised) score. Its minimum, 1, is uniform routing.
+        probs = scores / scores.sum(dim=-1, keepdim=True)
+        aux = self.n_experts * (counts / flat_expert.numel() * probs.mean(dim=0)).sum()
+        run = self.grouped_experts if self.impl == "grouped" else self.reference_experts
+        out = run(xf, expert_idx, weights, counts)
+        return out.view(B, T, d).type_as(x), aux, counts
+
+    def grouped_experts(self, xf, expert_idx, weights, counts):
+        N, k = expert_idx.shape
+        flat_expert = expert_idx.flatten()
+        order = torch.argsort(flat_expert, stable=True)
+        sorted_expert = flat_expert[order]
+        token_of_slot = order // k
+        counts = counts.long()
+        padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+        padded_end = torch.cumsum(padded, 0)
+        rank_in_group = torch.arange(N * k, device=xf.device) - (torch.cumsum(counts, 0) - counts)[sorted_expert]
+        row = (padded_end - padded)[sorted_expert] + rank_in_group
+        # Upper bound on the padded size keeps the buffer's shape static.
+        xs = xf.new_zeros(N * k + self.n_experts * (GROUP_ALIGN - 1), xf.shape[1])
+        xs[row] = xf[token_of_slot]
+        offsets = padded_end.to(torch.int32)
+        ys = feed_forward(xs, self.kind, lambda t, name: torch._grouped_mm(t, getattr(self, name), offs=offsets))
+        ys = ys[row] * weights.flatten()[order, None].to(ys.dtype)
+        return torch.zeros_like(xf).index_add_(0, token_of_slot, ys.type_as(xf))
+
+    def reference_experts(self, xf, expert_idx, weights, counts):
+        out = torch.zeros_like(xf)
+        for e in range(self.n_experts):
+            token, slot = torch.where(expert_idx == e)
+            y = feed_forward(xf[token], self.kind, lambda t, name: t @ getattr(self, name)[e])
+            out.index_add_(0, token, (y * weights[token, slot, None]).type_as(xf))
+        return out
+
+    @torch.no_grad()
+    def update_bias(self, counts, rate):
+        # Sign update: overloaded experts become less likely to be chosen, underloaded more,
+        # by a fixed step, independent of the loss.
+        self.expert_bias += rate * torch.sign(counts.mean() - counts)
+        self.tokens_per_expert.zero_()
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
+
+    def forward(self, x, cos, sin, mask):
+        """Returns (x, moe_stats); moe_stats is (aux_loss, counts), or None for a dense block."""
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+        out = self.mlp(self.mlp_norm(x))
+        if isinstance(out, tuple):
+            out, aux, counts = out
+            return x + out, (aux, counts)
+        return x + out, None
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.aux_loss = None
+
+    def forward(self, idx, targets=None):
+        """idx, targets: (B, T) int64; targets == -1 are ignored. Returns (logits, loss)."""
+        B, T = idx.shape
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} > max_seq_len={self.cfg.max_seq_len}")
+        cos, sin = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, idx.device)
+        mask = build_attention_mask(idx, self.cfg, self.cfg.attn_backend)
+        x = self.tok_emb(idx)
+        aux_total = None
+        for block in self.layers:
+            if self.cfg.activation_checkpointing and self.training:
+                x, moe_stats = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x, moe_stats = block(x, cos, sin, mask)
+            if moe_stats is not None:
+                aux, counts = moe_stats
+                aux_total = aux if aux_total is None else aux_total + aux
+                # Counted here, outside the block, so activation-checkpoint recomputation and
+                # evaluation forwards don't count tokens twice or at all.
+                if self.training:
+                    block.mlp.tokens_per_expert += counts.detach()
+        logits = self.lm_head(self.norm(x))
+        self.aux_loss = None if aux_total is None else aux_total.detach() / self.cfg.n_layer
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+            if aux_total is not None and self.cfg.moe_aux_loss_coef:
+                loss = loss + self.cfg.moe_aux_loss_coef * aux_total / self.cfg.n_layer
+        return logits, loss
+
+    def set_attn_backend(self, name):
+        if name not in ATTN_BACKENDS:
+            raise ValueError(f"attn_backend={name!r}: choose one of {', '.join(ATTN_BACKENDS)}")
+        self.cfg.attn_backend = name
+        for block in self.layers:
+            block.attn.backend = name
+
+    def moe_layers(self):
+        return [block.mlp for block in self.layers if isinstance(block.mlp, MoE)]
+
+    @torch.no_grad()
+    def update_moe_bias(self, all_reduce=None):
+        """Call after each optimizer step: per-(layer, expert) token counts since the last call,
+        summed over ranks by all_reduce(tensor) if given, update the selection bias (when
+        moe_bias_rate > 0) and are returned for logging. None for a dense model."""
+        layers = self.moe_layers()
+        if not layers:
+            return None
+        counts = torch.stack([m.tokens_per_expert for m in layers])
+        if all_reduce is not None:
+            all_reduce(counts)
+        for m, c in zip(layers, counts):
+            if self.cfg.moe_bias_rate:
+                m.update_bias(c, self.cfg.moe_bias_rate)
+            else:
+                m.tokens_per_expert.zero_()
+        return counts
+
+    @torch.no_grad()
+    def reset_buffers(self):
+        for m in self.moe_layers():
+            m.expert_bias.zero_()
+            m.tokens_per_expert.zero_()
+
+    def num_params(self):
+        """{"total", "active", "embedding"}; active counts each expert weight top_k/E times."""
+        total = sum(p.numel() for p in self.parameters())
+        experts = sum(p.numel() for m in self.moe_layers() for n, p in m.named_parameters() if n != "router.weight")
+        active = total - experts + experts * self.cfg.top_k // max(self.cfg.n_experts, 1)
+        return {"total": total, "active": active, "embedding": self.tok_emb.weight.numel()}
+
+    def flops_per_token(self, seq_len):
+        """Training FLOPs per token, PaLM's convention: 6 per active matmul weight (forward +
+        backward) plus 12 * n_layer * d_attn * seq_len for the attention scores and their
+        weighted sum (counted over the full T x T square, as nanoGPT/PaLM do, not the causal
+        half). The input embedding is a lookup and costs nothing; a tied lm_head still does."""
+        n = self.num_params()
+        matmul = n["active"] - n["embedding"] - sum(p.numel() for p in self.parameters() if p.dim() == 1)
+        if self.cfg.tie_embeddings:
+            matmul += n["embedding"]
+        return 6 * matmul + 12 * self.cfg.n_layer * self.cfg.n_head * self.cfg.head_dim * seq_len
+
+
+def init_model_(model, gamma=1.0, seed=0, overrides=None):
+    """γ-initialise every parameter (see init.py) and reset the MoE buffers; returns the report.
+    Identical weights for any world size, and valid after building on meta + to_empty()."""
+    report = gamma_init_(model, gamma=gamma, seed=seed, overrides=overrides)
+    model.reset_buffers()
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# Analysis hooks: no model code changes, just forward hooks. Use on an uncompiled model.
+
+def _rms(t):
+    return t.detach().float().pow(2).mean().sqrt().item()
+
+
+@contextmanager
+def trace_residual(model):
+    """Per layer, one entry per forward: RMS of the residual stream entering the block and of
+    the attention and MLP branch updates added to it."""
+    records = [{"resid_rms": [], "attn_rms": [], "mlp_rms": []} for _ in model.layers]
+    handles = []
+    for rec, block in zip(records, model.layers):
+        handles += [
+            block.attn_norm.register_forward_hook(lambda m, args, out, rec=rec: rec["resid_rms"].append(_rms(args[0]))),
+            block.attn.register_forward_hook(lambda m, args, out, rec=rec: rec["attn_rms"].append(_rms(out))),
+            block.mlp.register_forward_hook(
+                lambda m, args, out, rec=rec: rec["mlp_rms"].append(_rms(out[0] if isinstance(out, tuple) else out))),
+        ]
+    try:
+        yield records
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
+def capture_attention(model):
+    """Per layer, the (B, H, T, T) attention probabilities of the last forward (eager backend)."""
+    if any(block.attn.backend != "eager" for block in model.layers):
+        raise ValueError("capture_attention needs the eager backend: call model.set_attn_backend('eager') first")
+    probs = [None] * len(model.layers)
+
+    def keep(i):
+        def hook(module, args, out):
+            probs[i] = out.detach()
+        return hook
+
+    handles = [block.attn.probs_tap.register_forward_hook(keep(i)) for i, block in enumerate(model.layers)]
+    try:
+        yield probs
+    finally:
+        for h in handles:
+            h.remove()

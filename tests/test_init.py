@@ -1,0 +1,201 @@
+"""init.py: the γ rule on modules it knows, on modules it has never seen, and under FSDP2."""
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from init import gamma_init_, format_report
+from model import GPT, GPTConfig, init_model_
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_init_py_imports_only_torch_and_stdlib():
+    tree = ast.parse(open(os.path.join(ROOT, "init.py")).read())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module.split(".")[0])
+    assert imported - {"torch"} <= set(sys.stdlib_module_names), imported
+
+
+# A model init.py has never seen, run from a folder that holds nothing but a copy of init.py:
+# a GPT-2-style transposed Conv1D (weight is (in, out)) declared by class name, a layer with a
+# parameter nobody can classify, and ordinary torch layers.
+FOREIGN_SCRIPT = textwrap.dedent("""
+    import json, sys, warnings
+    import torch
+    from torch import nn
+    import init
+    assert init.__file__.startswith(sys.argv[1]), init.__file__
+
+    class Conv1D(nn.Module):
+        def __init__(self, n_in, n_out):
+            super().__init__()
+            self.weight = nn.Parameter(torch.empty(n_in, n_out))
+            self.bias = nn.Parameter(torch.full((n_out,), 7.0))
+
+    class Mystery(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.full((300, 3), 5.0))
+
+    net = nn.ModuleDict({
+        "emb": nn.Embedding(1000, 256),
+        "c_attn": Conv1D(384, 1152),
+        "fc": nn.Linear(512, 2048),
+        "conv": nn.Conv1d(32, 64, kernel_size=5),
+        "ln": nn.LayerNorm(256),
+        "mystery": Mystery(),
+    })
+    nn.init.constant_(net["ln"].weight, 3.0)
+    nn.init.constant_(net["ln"].bias, 3.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = init.gamma_init_(net, gamma=float(sys.argv[2]), seed=0, fan_in_dims={"Conv1D": {"weight": 0}})
+    params = dict(net.named_parameters())
+    print(json.dumps({
+        "report": [{k: r[k] for k in ("name", "d_in", "std", "action")} for r in report],
+        "empirical_std": {n: p.detach().std().item() for n, p in params.items()},
+        "values": {n: [p.detach().min().item(), p.detach().max().item()] for n, p in params.items()},
+        "warnings": [str(w.message) for w in caught],
+    }))
+""")
+
+
+@pytest.mark.parametrize("gamma", [0.5, 1.0])
+def test_copied_init_py_on_a_foreign_model(tmp_path, gamma):
+    shutil.copy(os.path.join(ROOT, "init.py"), tmp_path / "init.py")
+    (tmp_path / "foreign.py").write_text(FOREIGN_SCRIPT)
+    # -E -s: ignore PYTHONPATH and user site, so only the copy beside the script is importable.
+    out = subprocess.run([sys.executable, "-E", "-s", "foreign.py", str(tmp_path), str(gamma)],
+                         cwd=tmp_path, capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout)
+    rows = {r["name"]: r for r in result["report"]}
+    expected_d_in = {"emb.weight": 256, "c_attn.weight": 384, "fc.weight": 512, "conv.weight": 32 * 5}
+    for name, d_in in expected_d_in.items():
+        assert rows[name]["action"] == "normal" and rows[name]["d_in"] == d_in, rows[name]
+        want = d_in ** -gamma
+        assert abs(result["empirical_std"][name] / want - 1) < 0.03, (name, result["empirical_std"][name], want)
+    for name in ("c_attn.bias", "fc.bias", "conv.bias", "ln.bias"):
+        assert result["values"][name] == [0.0, 0.0]
+    assert result["values"]["ln.weight"] == [1.0, 1.0]
+    # The unclassifiable parameter is reported, warned about and left exactly as it was.
+    assert rows["mystery.scale"]["action"] == "skipped"
+    assert result["values"]["mystery.scale"] == [5.0, 5.0]
+    assert any("mystery.scale" in w for w in result["warnings"])
+
+
+def moe_config(**kw):
+    return GPTConfig(vocab_size=300, n_layer=2, n_head=2, d_model=128, n_experts=8, top_k=2, d_expert=96, **kw)
+
+
+def test_experts_use_per_expert_fan_in():
+    model = GPT(moe_config())
+    report = {r["name"]: r for r in init_model_(model, gamma=1.0)}
+    mlp = model.layers[0].mlp
+    # Stacked (E, d_in, d_out): fan-in is d_model for gate/up and d_expert for down, never E=8.
+    for name, tensor, d_in in (("w_gate", mlp.w_gate, 128), ("w_up", mlp.w_up, 128), ("w_down", mlp.w_down, 96)):
+        assert report[f"layers.0.mlp.{name}"]["d_in"] == d_in
+        assert abs(tensor.std().item() * d_in - 1) < 0.03
+    assert abs(mlp.router.weight.std().item() * 128 - 1) < 0.03
+
+
+def test_every_gpt_matrix_has_std_d_in_to_minus_gamma():
+    model = GPT(GPTConfig(vocab_size=1000, n_layer=2, n_head=4, d_model=256, mlp="gelu"))
+    for gamma in (0.5, 1.0, 1.5):
+        for r in init_model_(model, gamma=gamma, seed=3):
+            p = model.get_parameter(r["name"])
+            if r["action"] == "normal":
+                assert r["std"] == pytest.approx(r["d_in"] ** -gamma)
+                assert abs(p.std().item() / r["std"] - 1) < 0.03, r
+            else:
+                assert r["action"] == "ones" and torch.all(p == 1), r
+    assert model.tok_emb.weight.std().item() == pytest.approx(256 ** -1.5, rel=0.03)
+
+
+def test_embedding_fan_in_option_and_format_report():
+    emb = nn.Embedding(400, 2048)
+    report = gamma_init_(emb, gamma=1.0, embedding_fan_in="num_embeddings")
+    assert report[0]["d_in"] == 400
+    assert emb.weight.std().item() == pytest.approx(1 / 400, rel=0.03)
+    table = format_report(report)
+    assert "weight" in table and "400" in table
+    with pytest.raises(ValueError, match="embedding_fan_in"):
+        gamma_init_(emb, embedding_fan_in="rows")
+
+
+def test_overrides_by_name_pattern():
+    model = GPT(GPTConfig(vocab_size=500, n_layer=1, n_head=2, d_model=256))
+    report = {r["name"]: r for r in init_model_(model, gamma=1.0, overrides={r"^lm_head\.": 0.5})}
+    assert report["lm_head.weight"]["gamma"] == 0.5 and report["layers.0.attn.wq.weight"]["gamma"] == 1.0
+    assert model.lm_head.weight.std().item() == pytest.approx(256 ** -0.5, rel=0.03)
+    assert model.layers[0].attn.wq.weight.std().item() == pytest.approx(256 ** -1.0, rel=0.03)
+
+
+def test_same_seed_same_weights_whatever_the_order_or_wrapper():
+    cfg = GPTConfig(vocab_size=100, n_layer=2, n_head=2, d_model=64)
+    a, b, c = GPT(cfg), GPT(cfg), GPT(cfg)
+    init_model_(a, seed=7)
+    # A compiled wrapper (adds "_orig_mod." to names) and an unrelated draw in between change nothing.
+    torch.randn(1000)
+    init_model_(torch.compile(b), seed=7)
+    init_model_(c, seed=8)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not torch.equal(sa["layers.0.attn.wq.weight"], sc["layers.0.attn.wq.weight"])
+    # Different parameters of the same shape get different draws.
+    assert not torch.equal(a.layers[0].attn.wq.weight, a.layers[0].attn.wk.weight)
+
+
+def test_meta_build_then_to_empty_matches_direct_build():
+    cfg = moe_config()
+    direct = GPT(cfg)
+    init_model_(direct, seed=5)
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    with pytest.raises(ValueError, match="to_empty"):
+        init_model_(meta)
+    meta.to_empty(device="cpu")
+    init_model_(meta, seed=5)
+    sd, sm = direct.state_dict(), meta.state_dict()
+    assert all(torch.equal(sd[k], sm[k]) for k in sd)
+
+
+def test_tied_embeddings_are_drawn_once():
+    model = GPT(GPTConfig(vocab_size=100, n_layer=1, n_head=2, d_model=64, tie_embeddings=True))
+    report = {r["name"]: r for r in init_model_(model)}
+    assert report["lm_head.weight"]["action"] == "tied"
+    assert model.lm_head.weight is model.tok_emb.weight
+
+
+def _torchrun_init(nproc, out_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                    "--master_port=0", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
+                    os.path.join(ROOT, "tests", "dist_init_worker.py"), str(out_path)],
+                   check=True, env=env, capture_output=True)
+    return torch.load(out_path)
+
+
+@pytest.mark.slow
+def test_fsdp2_one_rank_and_two_ranks_give_identical_full_weights(tmp_path):
+    one = _torchrun_init(1, tmp_path / "one.pt")
+    two = _torchrun_init(2, tmp_path / "two.pt")
+    assert one.keys() == two.keys() and len(one) > 20
+    for k in one:
+        assert torch.equal(one[k], two[k]), k
+    # ...and both equal the plain, unsharded model built on the CPU.
+    plain = GPT(GPTConfig(vocab_size=257, n_layer=2, n_head=2, d_model=64))
+    init_model_(plain, gamma=1.0, seed=1234)
+    for k, v in plain.state_dict().items():
+        assert torch.equal(one[f"dense.{k}"], v), k

@@ -1,0 +1,382 @@
+"""model.py against independent references: float64 formulas, SDPA for Flex, brute-force MoE."""
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from init import gamma_init_
+from model import (GPT, SIZES, Attention, GPTConfig, MoE, RMSNorm, capture_attention, config_for,
+                   document_ids, init_model_, rope_cos_sin, trace_residual)
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+EOT = 0
+
+
+def tiny(**kw):
+    base = dict(vocab_size=50, n_layer=2, n_head=4, d_model=64, max_seq_len=64)
+    return GPTConfig(**{**base, **kw})
+
+
+def built(cfg, gamma=0.5, seed=0):
+    # γ=0.5 makes attention patterns far from uniform, so mask mistakes show in the outputs.
+    model = GPT(cfg)
+    init_model_(model, gamma=gamma, seed=seed)
+    return model.eval()
+
+
+# --- RMSNorm ----------------------------------------------------------------------------------
+
+def test_rmsnorm_tiny_eps_normalizes_small_activations():
+    x = torch.randn(8, 256, dtype=torch.float64)
+    x = x / x.pow(2).mean(-1, keepdim=True).sqrt() * 1e-3  # every row has RMS exactly 1e-3
+    for eps, want in ((1e-12, 1.0), (1e-5, math.sqrt(1e-6 / (1e-6 + 1e-5)))):
+        y = RMSNorm(256, eps)(x.float())
+        rms = y.double().pow(2).mean(-1).sqrt()
+        assert torch.allclose(rms, torch.full_like(rms, want), rtol=1e-4), (eps, rms[0].item(), want)
+    # With eps=1e-5 the output is at ~0.30, nowhere near normalized.
+    assert want < 0.31
+
+
+def test_rmsnorm_runs_in_fp32_for_bf16_inputs():
+    x = (torch.randn(4, 128) * 1e-3).bfloat16()
+    y = RMSNorm(128, 1e-12)(x)
+    assert y.dtype == torch.bfloat16
+    ref = x.double() / x.double().pow(2).mean(-1, keepdim=True).sqrt()
+    assert torch.allclose(y.double(), ref, atol=1e-2)
+
+
+# --- Gated attention --------------------------------------------------------------------------
+
+def attention_reference(attn, x, gate_weight=None):
+    """Gated causal attention written out in float64 from the module's weights."""
+    B, T, d = x.shape
+    H, hd = attn.n_head, attn.head_dim
+    xd = x.double()
+    cos, sin = (t.double() for t in rope_cos_sin(T, hd, 10000.0, x.device))
+
+    def heads(w, n):
+        t = (xd @ w.double().T).view(B, T, n, hd).transpose(1, 2)
+        return t
+
+    def rope(t):
+        t1, t2 = t.chunk(2, -1)
+        return torch.cat([t1 * cos - t2 * sin, t1 * sin + t2 * cos], -1)
+
+    q, k, v = rope(heads(attn.wq.weight, H)), rope(heads(attn.wk.weight, attn.n_kv_head)), heads(attn.wv.weight, attn.n_kv_head)
+    rep = H // attn.n_kv_head
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(hd)
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    y = scores.softmax(-1) @ v                                          # (B, H, T, hd)
+    if gate_weight is not None:
+        g = torch.sigmoid(xd @ gate_weight.double().T).view(B, T, H, -1).transpose(1, 2)
+        y = y * g
+    merged = y.transpose(1, 2).reshape(B, T, H * hd)
+    return merged, merged @ attn.wo.weight.double().T
+
+
+@pytest.mark.parametrize("gate", ["elementwise", "headwise", "none"])
+@pytest.mark.parametrize("n_kv_head", [4, 2])
+def test_attention_matches_float64_reference(gate, n_kv_head):
+    cfg = tiny(attn_gate=gate, n_kv_head=n_kv_head)
+    attn = Attention(cfg)
+    torch.nn.init.normal_(attn.wq.weight, std=0.3)
+    torch.nn.init.normal_(attn.wk.weight, std=0.3)
+    x = torch.randn(2, 10, 64)
+    cos, sin = rope_cos_sin(10, cfg.head_dim, cfg.rope_theta, x.device)
+    mask = torch.ones(10, 10, dtype=torch.bool).tril()
+    seen = {}
+    attn.wo.register_forward_hook(lambda m, args, out: seen.update(wo_input=args[0]))
+    out = attn(x, cos, sin, mask)
+    merged, ref = attention_reference(attn, x, attn.wg.weight if gate != "none" else None)
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+    # The gate multiplies each head's output *before* the output projection.
+    assert torch.allclose(seen["wo_input"].double(), merged, atol=1e-5)
+
+
+def test_gate_is_query_dependent_and_zero_gate_halves_the_output():
+    cfg = tiny(attn_gate="elementwise")
+    attn = Attention(cfg)
+    x = torch.randn(1, 12, 64)
+    cos, sin = rope_cos_sin(12, cfg.head_dim, cfg.rope_theta, x.device)
+    mask = torch.ones(12, 12, dtype=torch.bool).tril()
+    gates = []
+    attn.wg.register_forward_hook(lambda m, args, out: gates.append(torch.sigmoid(out)))
+    attn(x, cos, sin, mask)
+    x2 = x.clone()
+    x2[0, 5] += 1.0
+    attn(x2, cos, sin, mask)
+    changed = (gates[0] - gates[1]).abs().amax(-1)[0]
+    assert changed[5] > 0 and torch.all(changed[torch.arange(12) != 5] == 0)
+    # sigmoid(0) = 1/2 everywhere: exactly half of the ungated module with the same weights.
+    ungated = Attention(tiny(attn_gate="none"))
+    ungated.load_state_dict({k: v for k, v in attn.state_dict().items() if not k.startswith("wg")})
+    torch.nn.init.zeros_(attn.wg.weight)
+    assert torch.allclose(attn(x, cos, sin, mask), 0.5 * ungated(x, cos, sin, mask), atol=1e-6)
+
+
+# --- Masks and backends -----------------------------------------------------------------------
+
+def test_document_ids_by_hand():
+    idx = torch.tensor([[5, EOT, 7, 8, EOT, 9], [EOT, EOT, 3, 3, 3, 3]])
+    assert document_ids(idx, EOT).tolist() == [[0, 0, 1, 1, 1, 2], [0, 1, 2, 2, 2, 2]]
+
+
+def packed_batch(T=40, B=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(1, 50, (B, T), generator=g)
+    idx[0, [7, 20, 21]] = EOT
+    idx[1, [0, 33]] = EOT
+    idx[2, [15]] = EOT
+    return idx
+
+
+@pytest.mark.parametrize("doc_mask", [False, True])
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+def test_flex_sdpa_eager_agree(doc_mask, mlp):
+    model = built(tiny(doc_mask=doc_mask, eot_id=EOT, mlp=mlp, n_kv_head=2))
+    idx = packed_batch()
+    outputs = {}
+    with torch.no_grad():
+        for backend in ("sdpa", "flex", "eager"):
+            model.set_attn_backend(backend)
+            outputs[backend] = model(idx)[0]
+    assert torch.allclose(outputs["flex"], outputs["sdpa"], atol=2e-5)
+    assert torch.allclose(outputs["eager"], outputs["sdpa"], atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "eager"])
+def test_no_attention_across_documents(backend):
+    model = built(tiny(doc_mask=True, eot_id=EOT, attn_backend=backend))
+    idx = packed_batch()
+    changed = idx.clone()
+    # Row 0's second document is positions 8..20 (its end-of-text at 20 belongs to it).
+    changed[0, 8:20] = torch.randint(1, 50, (12,))
+    with torch.no_grad():
+        a, b = model(idx)[0], model(changed)[0]
+    moved = (a - b).abs().amax(-1)[0]
+    assert torch.all(moved[:8] == 0) and torch.all(moved[21:] == 0)  # other documents: untouched
+    assert torch.all(moved[8:21] > 0)
+    # Without document masking the later documents do see the change.
+    model.cfg.doc_mask = False
+    with torch.no_grad():
+        assert (model(idx)[0] - model(changed)[0]).abs()[0, 25:].amax() > 0
+
+
+def test_eager_probabilities_sum_to_one_and_respect_the_mask():
+    model = built(tiny(doc_mask=True, eot_id=EOT, attn_backend="eager"))
+    idx = packed_batch()
+    with torch.no_grad(), capture_attention(model) as probs:
+        model(idx)
+    doc = document_ids(idx, EOT)
+    T = idx.shape[1]
+    allowed = (torch.arange(T)[:, None] >= torch.arange(T)[None, :]) & (doc[:, :, None] == doc[:, None, :])
+    for p in probs:
+        assert p.shape == (3, 4, T, T)
+        assert torch.allclose(p.sum(-1), torch.ones(3, 4, T), atol=1e-6)
+        assert torch.all(p.masked_select(~allowed[:, None]) == 0)
+        assert torch.all(p.masked_select(allowed[:, None]) > 0)
+    model.set_attn_backend("sdpa")
+    with pytest.raises(ValueError, match="eager"):
+        with capture_attention(model):
+            pass
+
+
+@pytest.mark.slow
+def test_compiled_flex_matches_sdpa():
+    model = built(tiny(doc_mask=True, eot_id=EOT, attn_backend="flex"))
+    idx = packed_batch(T=64)
+    with torch.no_grad():
+        ref = model(idx)[0]
+        for block in model.layers:
+            block.compile()
+        flex = model(idx)[0]
+        model.set_attn_backend("sdpa")
+        sdpa = model(idx)[0]
+    assert torch.allclose(flex, ref, atol=2e-5) and torch.allclose(flex, sdpa, atol=2e-5)
+
+
+# --- MoE --------------------------------------------------------------------------------------
+
+def moe_cfg(**kw):
+    return tiny(**{**dict(n_experts=6, top_k=2, d_expert=48), **kw})
+
+
+def moe_brute_force(moe, x):
+    """Per token in float64: top-k of (score + bias), weights renormalised over the chosen."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    chosen = []
+    for n, xt in enumerate(x.double()):
+        logits = xt @ moe.router.weight.double().T
+        scores = logits.softmax(-1) if moe.score == "softmax" else torch.sigmoid(logits)
+        top = sorted(range(moe.n_experts), key=lambda e: -(scores[e] + moe.expert_bias[e]).item())[:moe.top_k]
+        chosen.append(set(top))
+        total = sum(scores[e] for e in top)
+        for e in top:
+            up = xt @ moe.w_up[e].double()
+            h = F.silu(xt @ moe.w_gate[e].double()) * up if moe.kind == "swiglu" else F.gelu(up)
+            out[n] += scores[e] / total * (h @ moe.w_down[e].double())
+    return out, chosen
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+def test_moe_grouped_and_reference_match_brute_force(score, mlp):
+    cfg = moe_cfg(router_score=score, mlp=mlp)
+    grouped = MoE(cfg)
+    gamma_init_(grouped, gamma=0.5)
+    grouped.expert_bias.copy_(torch.tensor([0.0, 0.05, -0.05, 0.1, 0.0, 0.02]))
+    reference = MoE(moe_cfg(router_score=score, mlp=mlp, moe_impl="reference"))
+    reference.load_state_dict(grouped.state_dict())
+    x = torch.randn(3, 7, 64)
+    out_g, aux_g, counts_g = grouped(x)
+    out_r, aux_r, counts_r = reference(x)
+    want, chosen = moe_brute_force(grouped, x.view(-1, 64))
+    assert torch.allclose(out_g.view(-1, 64).double(), want, atol=1e-5)
+    assert torch.allclose(out_r.view(-1, 64).double(), want, atol=1e-5)
+    # Every token reaches exactly top_k experts, and the counts say so.
+    assert all(len(c) == 2 for c in chosen) and counts_g.sum() == 21 * 2
+    assert counts_g.tolist() == [sum(e in c for c in chosen) for e in range(6)]
+    assert torch.equal(counts_g, counts_r) and torch.allclose(aux_g, aux_r)
+    # Gradients agree between the two paths.
+    (out_g.square().sum() + aux_g).backward()
+    (out_r.square().sum() + aux_r).backward()
+    for (name, pg), pr in zip(grouped.named_parameters(), reference.parameters()):
+        assert torch.allclose(pg.grad, pr.grad, atol=1e-5), name
+
+
+def test_moe_aux_loss_by_hand():
+    moe = MoE(moe_cfg())
+    gamma_init_(moe, gamma=0.5)
+    x = torch.randn(1, 10, 64)
+    _, aux, counts = moe(x)
+    probs = (x.view(-1, 64) @ moe.router.weight.T).softmax(-1)
+    want = 6 * sum(counts[e] / 20 * probs[:, e].mean() for e in range(6))
+    assert aux.item() == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_selection_bias_moves_load_toward_balance():
+    torch.manual_seed(0)
+    model = GPT(tiny(n_layer=1, vocab_size=256, n_experts=6, top_k=2, d_expert=48, moe_bias_rate=0.01))
+    init_model_(model, gamma=0.5)
+    moe = model.layers[0].mlp
+    # Skew: every input leans along one direction, and expert 0's router row points along it.
+    direction = torch.randn(64)
+    with torch.no_grad():
+        moe.router.weight[0] += 0.02 * direction
+        model.tok_emb.weight.add_(0.125 * direction)
+    idx = torch.randint(0, 256, (8, 64))
+    model.train()
+    imbalance = []  # busiest expert's load over the mean load (1 = balanced, 3 = one expert in every top-2)
+    for _ in range(60):
+        model(idx)
+        counts = model.update_moe_bias()[0]
+        imbalance.append((counts.max() / counts.mean()).item())
+    assert imbalance[0] > 2.0
+    assert np.mean(imbalance[-10:]) < 0.6 * imbalance[0]
+    assert torch.all(moe.tokens_per_expert == 0)  # counters restart after each update
+
+
+def test_moe_counts_only_training_forwards():
+    model = GPT(moe_cfg())
+    init_model_(model)
+    idx = torch.randint(0, 50, (2, 8))
+    with torch.no_grad():
+        model.eval()(idx)
+    assert model.update_moe_bias().sum() == 0
+    model.train()(idx)
+    assert model.update_moe_bias().sum(1).tolist() == [2 * 8 * 2] * 2
+
+
+# --- Residual-flow theory ---------------------------------------------------------------------
+
+def branch_ratios(d, gamma, mlp, seed=0):
+    cfg = GPTConfig(vocab_size=512, n_layer=1, n_head=max(2, d // 64), d_model=d, mlp=mlp, max_seq_len=128)
+    model = built(cfg, gamma=gamma, seed=seed)
+    idx = torch.randint(0, 512, (4, 128), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad(), trace_residual(model) as rec:
+        model(idx)
+    r = rec[0]
+    return r["attn_rms"][0] / r["resid_rms"][0], r["mlp_rms"][0] / r["resid_rms"][0]
+
+
+@pytest.mark.parametrize("gamma", [0.5, 1.0, 1.5])
+def test_branch_to_residual_ratio_scales_as_theory_predicts(gamma):
+    """At init the residual stream is the embedding, RMS d^-γ. A linear map of a normalized
+    input has RMS d^(1/2-γ), so attention (v then o) and the GELU MLP (up then down) add
+    d^(1-2γ): ratio d^(1-γ). SwiGLU multiplies two such maps: d^(3/2-3γ), ratio d^(3/2-2γ)."""
+    widths = [64, 128, 256, 512, 1024]
+    logd = np.log(widths)
+    for mlp, predicted_mlp in (("gelu", 1 - gamma), ("swiglu", 1.5 - 2 * gamma)):
+        ratios = np.array([branch_ratios(d, gamma, mlp) for d in widths])
+        attn_slope = np.polyfit(logd, np.log(ratios[:, 0]), 1)[0]
+        mlp_slope = np.polyfit(logd, np.log(ratios[:, 1]), 1)[0]
+        assert abs(attn_slope - (1 - gamma)) < 0.1, (mlp, attn_slope)
+        assert abs(mlp_slope - predicted_mlp) < 0.1, (mlp, mlp_slope)
+
+
+# --- Sizes, counts, config errors ------------------------------------------------------------
+
+@pytest.mark.parametrize("size", ["0.1b", "0.3b", "0.5b", "1b", "1.5b", "moe-0.5b", "moe-1.5b"])
+def test_named_sizes_match_their_names(size):
+    with torch.device("meta"):
+        model = GPT(config_for(size))
+    target = float(size.removeprefix("moe-").removesuffix("b")) * 1e9
+    n = model.num_params()
+    assert abs(n["total"] / target - 1) < 0.10, n
+    if size.startswith("moe"):
+        assert n["active"] < 0.6 * n["total"]
+
+
+def test_param_and_flop_counts_by_hand():
+    d, f, V, L, T = 64, 192, 50, 2, 32
+    model = GPT(tiny(d_ff=f, n_layer=L))
+    attn = 4 * d * d + d * d                    # q, k, v, o + elementwise gate
+    per_layer = attn + 3 * d * f + 2 * d        # swiglu + two norms
+    total = 2 * V * d + L * per_layer + d
+    n = model.num_params()
+    assert n["total"] == total and n["active"] == total and n["embedding"] == V * d
+    matmul = L * (attn + 3 * d * f) + V * d
+    assert model.flops_per_token(T) == 6 * matmul + 12 * L * d * T
+
+    moe = GPT(moe_cfg(n_layer=1))
+    experts = 6 * 3 * 64 * 48
+    n = moe.num_params()
+    assert n["total"] - n["active"] == experts - experts * 2 // 6
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(d_model=60, n_head=8), "divisible"),
+    (dict(n_head=4, n_kv_head=3), "divisible"),
+    (dict(n_experts=4, top_k=5), "top_k"),
+    (dict(attn_gate="sigmoid"), "attn_gate"),
+    (dict(attn_backend="flash"), "attn_backend"),
+    (dict(mlp="relu"), "mlp"),
+    (dict(norm_eps=0.0), "norm_eps"),
+    (dict(n_layer=2.5), "n_layer"),
+    (dict(doc_mask=True), "eot_id"),
+])
+def test_impossible_configs_fail_at_construction(bad, message):
+    with pytest.raises(ValueError, match=message):
+        tiny(**bad)
+
+
+def test_unknown_size_or_field():
+    with pytest.raises(ValueError, match="unknown model size"):
+        config_for("2b")
+    with pytest.raises(ValueError, match="n_layers"):
+        config_for("tiny", n_layers=3)
+    assert set(SIZES) >= {"tiny", "0.1b", "1.5b", "moe-0.5b", "moe-1.5b"}
+
+
+def test_loss_ignores_masked_targets():
+    model = built(tiny())
+    idx = torch.randint(0, 50, (2, 9))
+    targets = torch.full_like(idx, -1)
+    targets[:, -1] = idx[:, 0]
+    logits, loss = model(idx, targets)
+    want = F.cross_entropy(logits[:, -1].double(), idx[:, 0])
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
