@@ -29,6 +29,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from fractions import Fraction
 
 import numpy as np
@@ -502,19 +503,20 @@ def load_model(path, device="cpu", attn_backend=None):
     else:
         with open(os.path.join(path, "meta.json")) as f:
             info = json.load(f)
-    cfg = GPTConfig(**info["model_config"])
-    if attn_backend:
-        cfg.attn_backend = attn_backend
-    elif cfg.attn_backend == "flex" and not str(device).startswith("cuda"):
-        cfg.attn_backend = "sdpa"  # FlexAttention has no CPU path for evaluation here
-    model = GPT(cfg)
+    model = GPT(GPTConfig(**info["model_config"]))
     if os.path.isfile(path):
         model.load_state_dict(blob["model"])
     else:
         import torch.distributed.checkpoint as dcp
         # DCP fills the given tensors in place and reads only the keys asked for ("model.*",
-        # not the optimizer); it needs no process group in a single process.
-        dcp.load({"model": model.state_dict()}, checkpoint_id=path)
+        # not the optimizer); in a single process it needs no process group, and says so in a
+        # warning that would only confuse here.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load({"model": model.state_dict()}, checkpoint_id=path)
+    if attn_backend or (model.cfg.attn_backend == "flex" and not str(device).startswith("cuda")):
+        # Flex kernels are CUDA-only here; sdpa shares its mask definition (model.py).
+        model.set_attn_backend(attn_backend or "sdpa")
     info["path"] = path
     return model.to(device).eval(), info
 
@@ -538,7 +540,11 @@ def val_batches(data, args, label):
     """A fixed token budget of validation batches with their source index per token."""
     from prepare_data import TokenLoader
     loader = TokenLoader(data, args.split, args.batch_size, args.seq_len, seed=args.seed)
-    n = max(1, math.ceil(args.tokens / (args.batch_size * args.seq_len)))
+    wanted = max(1, math.ceil(args.tokens / (args.batch_size * loader.seq_len)))
+    # The loader starts a new epoch (repeating tokens) after n_windows; never count a token twice.
+    n = min(wanted, loader.n_windows // args.batch_size)
+    if n < wanted:
+        print(f"{label}: the {args.split} split holds {n} batches, fewer than the --tokens budget", file=sys.stderr)
     return loader.meta, progress((loader.next_batch(with_sources=True) for _ in range(n)), n, label)
 
 
@@ -700,10 +706,11 @@ def run_residual(args):
     return {"analysis": "residual_init", "summary": summary, "rows": rows}
 
 
-def tokenizer_of(info):
-    """(encode, decode, eot_id) for the tokenizer the checkpoint was trained with."""
+def tokenizer_of(info, tokenizer_dir=None):
+    """(encode, decode, eot_id) for the tokenizer the checkpoint's data was prepared with."""
     from prepare_data import get_tokenizer
-    return get_tokenizer(info["data_meta"])
+    enc = get_tokenizer(info["data_meta"]["tokenizer"], tokenizer_dir)
+    return enc.encode_ordinary, lambda ids: enc.decode(ids, errors="replace"), info["data_meta"]["eot_id"]
 
 
 @torch.no_grad()
@@ -741,7 +748,7 @@ def generate(model, prompt, max_new_tokens, num_samples=1, temperature=0.0, top_
 
 def run_math_bench(model, tokenizer, args):
     encode, decode, eot_id = tokenizer
-    records = read_math_records(args.source or default_source(args.task), args.task)
+    records = read_math_records(args.source, args.task)
     # Few-shot exemplars are the first records; they are excluded from the scored set.
     shots, tests = records[:args.shots], records[args.shots:][:args.limit]
 
@@ -769,36 +776,54 @@ def run_math_bench(model, tokenizer, args):
     return summary, per_problem[:20]
 
 
-def default_source(task):
-    shared = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data", "eval")
-    local = {"hellaswag": "hellaswag/hellaswag_val_full.txt.bz2", "gsm8k": "gsm8k/test.jsonl",
-             "math500": "math500/test.jsonl"}[task]
-    path = os.path.join(shared, local)
-    return path if os.path.exists(path) else "hub"
-
-
 def run_bench(args):
     model, info = load_model(args.ckpt, args.device)
     if args.task == "anchor":
-        summary, rows = run_anchor_bench(model, info, args)
+        summary, rows = anchor_scores(model, data_dir_of(args, info))
     elif args.task == "hellaswag":
-        source = args.source or default_source("hellaswag")
-        if source == "hub":
+        if args.source == "hub":
             import datasets
             tasks = [{"ctx": r["ctx"], "endings": r["endings"], "label": int(r["label"])}
                      for r in datasets.load_dataset("Rowan/hellaswag", split="validation")]
         else:
-            tasks = read_hellaswag(source)
+            tasks = read_hellaswag(args.source)
         tasks = tasks[:args.limit]
-        encode = tokenizer_of(info)[0]
+        encode = tokenizer_of(info, args.tokenizer_dir)[0]
         summary, rows = {"task": "hellaswag", "tasks": len(tasks), **hellaswag_accuracy(model, encode, tasks)}, []
     else:
-        summary, rows = run_math_bench(model, tokenizer_of(info), args)
+        summary, rows = run_math_bench(model, tokenizer_of(info, args.tokenizer_dir), args)
     return {"analysis": "bench", "ckpt": args.ckpt, "summary": summary, "rows": rows}
 
 
-def run_anchor_bench(model, info, args):
-    raise SystemExit("anchor benchmark: waiting for prepare_data.py's anchor helpers")
+@torch.no_grad()
+def last_token_predictions(model, records, batch_size=1024):
+    """The model's argmax answer at the last input position of each record (n, record_len)."""
+    device = next(model.parameters()).device
+    inputs = torch.as_tensor(records[:, :-1], device=device)
+    return torch.cat([model(chunk)[0][:, -1].argmax(-1).cpu() for chunk in inputs.split(batch_size)]).numpy()
+
+
+def anchor_scores(model, data_dir):
+    """The anchor-function task: accuracy on seen pairs (train keys: val split; unseen keys: test
+    split) and, on the held-out pair, the share of inferential (composite) vs symmetric (the
+    mirror pair's rule) answers; scoring rules live with the generator in prepare_data.py."""
+    from prepare_data import anchor_accuracy, anchor_answer_kinds, load_meta, read_records
+    meta = load_meta(data_dir)
+    if "anchor" not in meta:
+        raise SystemExit(f"{data_dir} is not an anchor-task folder; make one with `python prepare_data.py anchor`")
+    rows = []
+    for split in ("val", "test", "heldout"):
+        records = read_records(data_dir, split)
+        predictions = last_token_predictions(model, records)
+        row = {"split": split, "records": len(records), "accuracy": anchor_accuracy(records, predictions)}
+        if split == "heldout":
+            kinds = anchor_answer_kinds(records, predictions, meta)
+            row.update({k: kinds[k] for k in ("inferential", "symmetric", "other")})
+        rows.append(row)
+    val, test, held = rows
+    summary = {"task": "anchor", "seen_pair_acc": val["accuracy"], "test_key_acc": test["accuracy"],
+               **{f"heldout_{k}": held[k] for k in ("inferential", "symmetric", "other")}}
+    return summary, rows
 
 
 def run_scaling(args):
@@ -872,7 +897,7 @@ def run_report(args):
 
 def run_sample(args):
     model, info = load_model(args.ckpt, args.device)
-    encode, decode, eot_id = tokenizer_of(info)
+    encode, decode, eot_id = tokenizer_of(info, args.tokenizer_dir)
     outs = generate(model, encode(args.prompt), args.max_new_tokens, args.num_samples, args.temperature,
                     args.top_k, args.seed, stop=lambda toks: toks[-1] == eot_id)
     for i, out in enumerate(outs):
@@ -926,7 +951,9 @@ def build_parser():
     p.add_argument("--attn-gate", default="none")
     p = command("bench", run_bench, "HellaSwag, GSM8K, MATH-500 or the anchor task", data=True)
     p.add_argument("--task", required=True, choices=["hellaswag", "gsm8k", "math500", "anchor"])
-    p.add_argument("--source", help="local file in the published format, or 'hub' (default: ../shared/data/eval)")
+    p.add_argument("--source", default="hub", help="local file in its published format "
+                   "(e.g. gsm8k test.jsonl, hellaswag_val_full.txt.bz2), or 'hub' on a connected machine")
+    p.add_argument("--tokenizer-dir", help="offline tokenizer files (prepare_data.py --tokenizer-dir)")
     p.add_argument("--limit", type=int, default=None, help="score only the first N items")
     p.add_argument("--shots", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -941,6 +968,7 @@ def build_parser():
     p.add_argument("results", nargs="+")
     p.add_argument("--out", default="report.md")
     p = command("sample", run_sample, "print continuations of a prompt")
+    p.add_argument("--tokenizer-dir", help="offline tokenizer files (prepare_data.py --tokenizer-dir)")
     p.add_argument("--prompt", default="\n")
     p.add_argument("--max-new-tokens", type=int, default=100)
     p.add_argument("--num-samples", type=int, default=1)

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -338,3 +339,305 @@ def test_document_starts_match_a_loop():
 def test_format_table_aligns_and_formats():
     text = ev.format_table([{"a": 1, "b": 0.123456}, {"a": 22, "b": None}])
     assert text.splitlines() == [" a       b", " 1  0.1235", "22       -"]
+
+
+# ----------------------------------------------------------------------------- tiny checkpoints
+
+BYTES_META = {"tokenizer": "bytes", "vocab_size": 257, "eot_id": 256}
+
+
+def tiny_model(gamma=1.0, seed=0, **overrides):
+    from model import GPT, config_for, init_model_
+    model = GPT(config_for("tiny", **{"max_seq_len": 64, **overrides}))
+    init_model_(model, gamma=gamma, seed=seed)
+    return model.eval()
+
+
+def export(model, path, step=0, data_dir=None):
+    """The consolidated layout of `train.py export` (CONTRACT), written directly."""
+    from dataclasses import asdict
+    torch.save({"model": model.state_dict(), "model_config": asdict(model.cfg), "step": step,
+                "config": {"data_dir": data_dir}, "data_meta": BYTES_META}, path)
+    return str(path)
+
+
+def save_dcp(model, folder, step):
+    """A train.py checkpoint folder: DCP files with "model.*" and "optim.*" entries + meta.json."""
+    import torch.distributed.checkpoint as dcp
+    from dataclasses import asdict
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # single process on purpose
+        dcp.save({"model": model.state_dict(), "optim": {"lr": torch.tensor(1e-3)}}, checkpoint_id=str(folder))
+    with open(os.path.join(folder, "meta.json"), "w") as f:
+        json.dump({"step": step, "config": {}, "model_config": asdict(model.cfg), "data_meta": BYTES_META}, f)
+    return str(folder)
+
+
+def test_one_loading_path_for_exports_dcp_folders_and_run_folders(tmp_path):
+    x = torch.randint(0, 257, (2, 12), generator=torch.Generator().manual_seed(0))
+    early, late = tiny_model(seed=1), tiny_model(seed=2)
+    for model, step in ((early, 100), (late, 200)):
+        save_dcp(model, tmp_path / "run" / f"ckpt_{step:08d}", step)
+    os.makedirs(tmp_path / "run" / "tmp_ckpt_00000300")  # an unfinished save is never picked
+    loaded, info = ev.load_model(str(tmp_path / "run"))
+    assert info["step"] == 200 and torch.equal(loaded(x)[0], late(x)[0])
+    loaded, info = ev.load_model(export(early, tmp_path / "early.pt", step=100))
+    assert info["step"] == 100 and torch.equal(loaded(x)[0], early(x)[0])
+    assert [os.path.basename(p) for p in ev.find_checkpoints(str(tmp_path / "run"))] == ["ckpt_00000100", "ckpt_00000200"]
+    torch.save({"weights": {}}, tmp_path / "foreign.pt")
+    with pytest.raises(SystemExit, match="not a smallinit export"):
+        ev.load_model(str(tmp_path / "foreign.pt"))
+
+
+def uniform_attention_model(**overrides):
+    """q = k = 0 makes every score 0: each query attends uniformly over what the mask allows."""
+    model = tiny_model(attn_backend="eager", **overrides)
+    with torch.no_grad():
+        for block in model.layers:
+            block.attn.wq.weight.zero_()
+            block.attn.wk.weight.zero_()
+    return model
+
+
+def test_sink_share_on_a_model_with_known_attention():
+    model = uniform_attention_model()
+    x = torch.randint(0, 256, (3, 20))
+    expected = np.mean([1 / (q + 1) for q in range(1, 20)])  # query q sees q + 1 tokens
+    for layer in ev.sink_shares(model, x):
+        np.testing.assert_allclose(layer["first"], [expected] * 2, rtol=1e-6)
+        assert "doc_first" not in layer
+
+
+def test_sink_share_on_document_starts_with_document_masking():
+    model = uniform_attention_model(doc_mask=True, eot_id=256)
+    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    x[0, [5, 11]] = 256
+    x[1, [0, 17]] = 256
+    # Uniform over the query's own document prefix: share 1/(q - start + 1) on the start;
+    # queries that are their document's first token are left out (they trivially score 1).
+    shares, firsts = [], []
+    for row in x.tolist():
+        start = 0
+        for q, tok in enumerate(row):
+            if q > 0 and row[q - 1] == 256:
+                start = q
+            if q != start:
+                shares.append(1 / (q - start + 1))
+            if q >= 1:
+                firsts.append(1 / (q + 1) if start == 0 else 0.0)
+    for layer in ev.sink_shares(model, x):
+        np.testing.assert_allclose(layer["doc_first"], [np.mean(shares)] * 2, rtol=1e-6)
+        np.testing.assert_allclose(layer["first"], [np.mean(firsts)] * 2, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- subcommands end to end
+
+@pytest.fixture(scope="module")
+def text_data(tmp_path_factory):
+    """A two-source byte-level dataset (en, zh) made by prepare_data.py's command line."""
+    import subprocess
+    import sys
+    folder = tmp_path_factory.mktemp("text")
+    rng = np.random.default_rng(0)
+    words = {"en": "the cat sat on a mat and the dog ran far away".split(), "zh": ["山", "水", "月", "花", "风", "云"]}
+    for name, vocab in words.items():
+        with open(folder / f"{name}.jsonl", "w", encoding="utf-8") as f:
+            for _ in range(80):
+                f.write(json.dumps({"text": " ".join(rng.choice(vocab, 30))}, ensure_ascii=False) + "\n")
+    subprocess.run([sys.executable, os.path.join(ROOT, "prepare_data.py"), "text", "--out", str(folder / "data"),
+                    "--source", f"en={folder / 'en.jsonl'}", "--source", f"zh={folder / 'zh.jsonl'}",
+                    "--tokenizer", "bytes", "--val-fraction", "0.2", "--workers", "1"], check=True, capture_output=True)
+    return str(folder / "data")
+
+
+DATA_ARGS = ["--tokens", "512", "--batch-size", "4", "--seq-len", "32"]
+
+
+def val_batches_again(data, n):
+    from prepare_data import TokenLoader
+    loader = TokenLoader(data, "val", 4, 32, seed=0)
+    return [loader.next_batch(with_sources=True) for _ in range(n)]
+
+
+def target_probs(model, x, y):
+    with torch.no_grad():
+        p = torch.softmax(model(x)[0].double(), -1)
+    return p.gather(2, y.clamp_min(0)[..., None]).squeeze(2)
+
+
+def test_loss_per_source_matches_a_manual_computation(tmp_path, text_data):
+    model = tiny_model(seed=3)
+    result = ev.main(["loss", export(model, tmp_path / "m.pt"), "--data", text_data, *DATA_ARGS,
+                      "--json-out", str(tmp_path / "loss.json")])
+    losses = {"en": [], "zh": []}
+    for x, y, src in val_batches_again(text_data, 4):  # 512 tokens / (4 x 32)
+        p = target_probs(model, x, y)
+        for b, t in zip(*torch.nonzero(y >= 0, as_tuple=True)):
+            losses[["en", "zh"][src[b, t]]].append(-math.log(p[b, t]))
+    rows = {r["source"]: r for r in result["rows"]}
+    for name, values in losses.items():
+        assert rows[name]["tokens"] == len(values)
+        assert rows[name]["loss"] == pytest.approx(np.mean(values), rel=1e-5)
+    assert result["summary"]["loss"] == pytest.approx(np.mean(losses["en"] + losses["zh"]), rel=1e-5)
+    assert json.load(open(tmp_path / "loss.json"))["summary"]["tokens"] == 512
+
+
+def test_tokens_compares_two_checkpoints_on_identical_tokens(tmp_path, text_data):
+    a, b = tiny_model(gamma=1.0, seed=1), tiny_model(gamma=0.5, seed=2)
+    result = ev.main(["tokens", export(a, tmp_path / "a.pt"), export(b, tmp_path / "b.pt"), "--data", text_data, *DATA_ARGS])
+    gaps = []
+    for x, y, _ in val_batches_again(text_data, 4):
+        pa, pb = target_probs(a, x, y), target_probs(b, x, y)
+        gaps += ((pa - pb) / (pa + pb))[y >= 0].tolist()
+    assert result["summary"]["tokens"] == len(gaps) == sum(r["count"] for r in result["rows"])
+    assert result["summary"]["mean_delta_sym"] == pytest.approx(np.mean(gaps), rel=1e-5, abs=1e-9)
+    assert result["summary"]["win_rate_a"] == pytest.approx(np.mean(np.array(gaps) > 0))
+    assert [r["bucket"] for r in result["rows"]] == list(range(10))
+
+
+def test_sink_command_on_a_checkpoint_with_uniform_attention(tmp_path, text_data):
+    result = ev.main(["sink", export(uniform_attention_model(), tmp_path / "u.pt"), "--data", text_data, *DATA_ARGS])
+    expected = np.mean([1 / (q + 1) for q in range(1, 32)])
+    assert len(result["rows"]) == 4  # 2 layers x 2 heads
+    assert all(r["share_first"] == pytest.approx(expected, rel=1e-5) for r in result["rows"])
+
+
+def test_residual_command_attributes_branches_correctly(tmp_path, text_data):
+    model = tiny_model()
+    with torch.no_grad():
+        model.layers[1].attn.wo.weight.zero_()  # layer 1 adds no attention update
+    result = ev.main(["residual", export(model, tmp_path / "r.pt"), "--data", text_data, *DATA_ARGS])
+    rows = result["rows"]
+    assert rows[1]["attn_ratio"] == 0 and rows[0]["attn_ratio"] > 0
+    assert all(r["mlp_ratio"] > 0 and r["resid_rms"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("gamma", [0.5, 1.0])
+def test_residual_exponent_at_init_follows_the_theory(gamma):
+    # README / issue 2: attention branch / residual ~ d^(1-γ), gelu MLP the same.
+    result = ev.main(["residual", "--init", "--widths", "64", "128", "256", "--gamma", str(gamma),
+                      "--batch-size", "2", "--seq-len", "32"])
+    assert result["summary"]["attn_ratio_exponent"] == pytest.approx(1 - gamma, abs=0.1)
+    assert result["summary"]["mlp_ratio_exponent"] == pytest.approx(1 - gamma, abs=0.1)
+
+
+def test_weights_trajectory_over_a_run_and_moe_experts(tmp_path):
+    for step, seed in ((10, 1), (20, 2)):
+        save_dcp(tiny_model(seed=seed), tmp_path / "run" / f"ckpt_{step:08d}", step)
+    result = ev.main(["weights", str(tmp_path / "run"), "--json-out", str(tmp_path / "w.json")])
+    assert [t["step"] for t in result["trajectory"]] == [10, 20]
+    final = tiny_model(seed=2)
+    wq = final.layers[1].attn.wq.weight.detach().double().numpy()
+    s = np.linalg.svd(wq, compute_uv=False)
+    row = next(r for r in result["matrices"] if r["name"] == "layers.1.attn.wq.weight")
+    assert row["stable_rank"] == pytest.approx((s ** 2).sum() / s[0] ** 2, rel=1e-6)
+    moe = tiny_model(n_experts=4, top_k=2, moe_impl="reference")
+    result = ev.main(["weights", export(moe, tmp_path / "moe.pt")])
+    kinds = {r["kind"]: r["matrices"] for r in result["rows"]}
+    assert kinds["w_up[experts]"] == 2 * 4 and kinds["router"] == 2
+
+
+def write_hellaswag(path, tasks):
+    with open(path, "w", encoding="utf-8") as f:
+        for t in tasks:
+            f.write("\n".join([t["ctx"], str(t["label"]), *t["endings"]]) + "\n")
+
+
+def test_bench_hellaswag_matches_scoring_each_ending_alone(tmp_path):
+    model = tiny_model(seed=4)
+    tasks = [{"ctx": "A man opens the door. He", "label": i % 4,
+              "endings": ["walks in.", "sits down on the floor quietly.", "runs", "smiles at the cat."]} for i in range(4)]
+    write_hellaswag(tmp_path / "hs.txt", tasks)
+    result = ev.main(["bench", export(model, tmp_path / "m.pt"), "--task", "hellaswag", "--source", str(tmp_path / "hs.txt")])
+    correct = 0
+    for t in tasks:  # no batching, no padding: one forward per ending
+        ctx = list(t["ctx"].encode())
+        means = []
+        for e in t["endings"]:
+            end = list((" " + e).encode())
+            seq = torch.tensor([ctx + end])
+            logp = torch.log_softmax(model(seq[:, :-1])[0].double(), -1)[0]
+            means.append(np.mean([logp[len(ctx) - 1 + i, tok].item() for i, tok in enumerate(end)]))
+        correct += int(np.argmax(means)) == t["label"]
+    assert result["summary"]["acc_norm"] == correct / 4
+
+
+def test_bench_gsm8k_and_sample_run_on_a_tiny_checkpoint(tmp_path, capsys):
+    model = tiny_model(seed=5)
+    ckpt = export(model, tmp_path / "m.pt")
+    with open(tmp_path / "gsm.jsonl", "w") as f:
+        for q, a in (("What is 2+3?", "2+3=<<2+3=5>>5\n#### 5"), ("What is 4*2?", "4*2=8\n#### 8"), ("1+1?", "#### 2")):
+            f.write(json.dumps({"question": q, "answer": a}) + "\n")
+    result = ev.main(["bench", ckpt, "--task", "gsm8k", "--source", str(tmp_path / "gsm.jsonl"), "--shots", "1",
+                      "--max-new-tokens", "6", "--num-samples", "2", "--temperature", "1.0"])
+    assert result["summary"]["problems"] == 2 and 0 <= result["summary"]["accuracy"] <= 1
+    assert [r["answer"] for r in result["rows"]] == ["8", "2"]
+    capsys.readouterr()
+    ev.main(["sample", ckpt, "--prompt", "The cat", "--max-new-tokens", "5", "--temperature", "0"])
+    idx = list(b"The cat")
+    for _ in range(5):  # greedy by hand
+        with torch.no_grad():
+            idx.append(int(model(torch.tensor([idx]))[0][0, -1].argmax()))
+    printed = capsys.readouterr().out.split("--- sample 0\n")[1]
+    assert printed.rstrip("\n") == bytes(t for t in idx if t < 256).decode("utf-8", errors="replace").rstrip("\n")
+
+
+class AnchorOracle(torch.nn.Module):
+    """Hand-made predictions: answers key + shift(a, b) with its own rule for every record."""
+
+    def __init__(self, rule, vocab=128):
+        super().__init__()
+        self.rule, self.vocab = rule, vocab
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, idx, targets=None):
+        logits = torch.zeros(*idx.shape, self.vocab)
+        for i, row in enumerate(idx.tolist()):
+            p = next(t for t in range(1, len(row)) if 1 <= row[t] <= 4)  # first anchor; key before it
+            logits[i, -1, self.rule(row[p - 1], row[p], row[p + 1])] = 1
+        return logits, None
+
+
+@pytest.fixture(scope="module")
+def anchor_data(tmp_path_factory):
+    import subprocess
+    import sys
+    out = tmp_path_factory.mktemp("anchor") / "data"
+    subprocess.run([sys.executable, os.path.join(ROOT, "prepare_data.py"), "anchor", "--out", str(out),
+                    "--n-train", "200", "--n-eval", "100"], check=True, capture_output=True)
+    return str(out)
+
+
+def test_anchor_scores_on_hand_made_predictions(anchor_data):
+    shift = {1: 5, 2: 1, 3: -2, 4: -8}  # the task's single functions (issue 3)
+    composite = lambda x, a, b: x + shift[a] + shift[b]
+    trained = lambda x, a, b: x - 6 if (a, b) == (3, 4) else composite(x, a, b)
+    symmetric = lambda x, a, b: x - 6 if (a, b) in ((3, 4), (4, 3)) else composite(x, a, b)
+    summary, _ = ev.anchor_scores(AnchorOracle(trained), anchor_data)
+    assert summary["seen_pair_acc"] == summary["test_key_acc"] == 1.0
+    assert summary["heldout_inferential"] == 1.0 and summary["heldout_symmetric"] == 0.0
+    summary, _ = ev.anchor_scores(AnchorOracle(symmetric), anchor_data)
+    assert summary["seen_pair_acc"] == 1.0 and summary["heldout_symmetric"] == 1.0 and summary["heldout_other"] == 0.0
+    # Answer "x" itself: wrong everywhere, neither kind on the held-out pair.
+    summary, _ = ev.anchor_scores(AnchorOracle(lambda x, a, b: x), anchor_data)
+    assert summary["seen_pair_acc"] == 0.0 and summary["heldout_other"] == 1.0
+
+
+def test_bench_anchor_end_to_end(tmp_path, anchor_data):
+    from prepare_data import load_meta
+    meta = load_meta(anchor_data)
+    model = tiny_model(vocab_size=meta["vocab_size"], eot_id=meta["eot_id"])
+    result = ev.main(["bench", export(model, tmp_path / "a.pt", data_dir=anchor_data), "--task", "anchor"])
+    held = result["rows"][-1]
+    assert held["split"] == "heldout" and held["inferential"] + held["symmetric"] + held["other"] == pytest.approx(1)
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("matplotlib") is None,
+                    reason="matplotlib is an optional dependency of eval.py plots")
+def test_plots_are_written(tmp_path, text_data):
+    a, b = export(tiny_model(seed=1), tmp_path / "a.pt"), export(tiny_model(seed=2), tmp_path / "b.pt")
+    ev.main(["tokens", a, b, "--data", text_data, *DATA_ARGS, "--plot", str(tmp_path / "tokens.png")])
+    ev.main(["weights", a, b, "--plot", str(tmp_path / "traj.png"), "--heatmap", str(tmp_path / "heat.png")])
+    ev.main(["scaling", "--baseline", "1e6=4", "2e6=3.6", "4e6=3.3", "8e6=3.1", "--plot", str(tmp_path / "s.png")])
+    for name in ("tokens.png", "traj.png", "heat.png", "s.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
