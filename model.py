@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from init import gamma_init_
@@ -205,16 +205,22 @@ class Attention(nn.Module):
         # Identity tap: a forward hook on it sees the eager backend's attention probabilities.
         self.probs_tap = nn.Identity()
 
-    def forward(self, x, cos, sin, mask):
+    def forward(self, x, cos, sin, mask, kv=None):
+        """kv: (k_cache, v_cache, start) while decoding: this call's keys/values are written at
+        positions start.., and attention reads everything cached up to them."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv is not None:
+            k_cache, v_cache, start = kv
+            k_cache[:, :, start:start + T], v_cache[:, :, start:start + T] = k, v
+            k, v = k_cache[:, :, :start + T], v_cache[:, :, :start + T]
         gqa = self.n_kv_head != self.n_head
-        if self.backend == "flex":
+        if isinstance(mask, BlockMask):
             y = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
-        elif self.backend == "sdpa":
+        elif self.backend != "eager":
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         else:
             y = self.eager_attention(q, k, v, mask)
@@ -342,9 +348,9 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
 
-    def forward(self, x, cos, sin, mask):
+    def forward(self, x, cos, sin, mask, kv=None):
         """Returns (x, moe_stats); moe_stats is (aux_loss, counts), or None for a dense block."""
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, kv)
         out = self.mlp(self.mlp_norm(x))
         if isinstance(out, tuple):
             out, aux, counts = out
@@ -364,20 +370,30 @@ class GPT(nn.Module):
             self.lm_head.weight = self.tok_emb.weight
         self.aux_loss = None
 
-    def forward(self, idx, targets=None):
-        """idx, targets: (B, T) int64; targets == -1 are ignored. Returns (logits, loss)."""
+    def forward(self, idx, targets=None, kv_cache=None):
+        """idx, targets: (B, T) int64; targets == -1 are ignored. Returns (logits, loss).
+        With a KVCache, idx continues the cached sequence (see generate)."""
         B, T = idx.shape
-        if T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {T} > max_seq_len={self.cfg.max_seq_len}")
-        cos, sin = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, idx.device)
-        mask = build_attention_mask(idx, self.cfg, self.cfg.attn_backend)
+        start = 0 if kv_cache is None else kv_cache.length
+        if start + T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {start + T} > max_seq_len={self.cfg.max_seq_len}")
+        cos, sin = rope_cos_sin(start + T, self.cfg.head_dim, self.cfg.rope_theta, idx.device)
+        cos, sin = cos[start:], sin[start:]
+        if kv_cache is None:
+            mask = build_attention_mask(idx, self.cfg, self.cfg.attn_backend)
+        else:
+            # Decoding treats the whole context as one document: the causal rule, shifted by
+            # the number of cached positions.
+            mask = create_mask(lambda b, h, q, kv: causal_mask_mod(b, h, q + start, kv), 1, 1, T, start + T,
+                               device=idx.device)
         x = self.tok_emb(idx)
         aux_total = None
-        for block in self.layers:
+        for i, block in enumerate(self.layers):
+            kv = None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i], start)
             if self.cfg.activation_checkpointing and self.training:
-                x, moe_stats = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+                x, moe_stats = checkpoint(block, x, cos, sin, mask, kv, use_reentrant=False)
             else:
-                x, moe_stats = block(x, cos, sin, mask)
+                x, moe_stats = block(x, cos, sin, mask, kv)
             if moe_stats is not None:
                 aux, counts = moe_stats
                 aux_total = aux if aux_total is None else aux_total + aux
@@ -385,6 +401,8 @@ class GPT(nn.Module):
                 # evaluation forwards don't count tokens twice or at all.
                 if self.training:
                     block.mlp.tokens_per_expert += counts.detach()
+        if kv_cache is not None:
+            kv_cache.length += T
         logits = self.lm_head(self.norm(x))
         self.aux_loss = None if aux_total is None else aux_total.detach() / self.cfg.n_layer
         loss = None
@@ -393,6 +411,29 @@ class GPT(nn.Module):
             if aux_total is not None and self.cfg.moe_aux_loss_coef:
                 loss = loss + self.cfg.moe_aux_loss_coef * aux_total / self.cfg.n_layer
         return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=0.0, top_k=None, stop_id=None, generator=None):
+        """Continue idx (B, T) by up to max_new_tokens with a KV cache: greedy at temperature 0,
+        else sampled (optionally from the top_k logits). Rows that emit stop_id keep emitting it;
+        decoding ends early once every row has. Returns (B, T + generated)."""
+        B, T = idx.shape
+        if T + max_new_tokens > self.cfg.max_seq_len:
+            raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > max_seq_len={self.cfg.max_seq_len}: "
+                             f"shorten the prompt or generate fewer tokens")
+        cache = KVCache(self.cfg, B, T + max_new_tokens, idx.device, self.lm_head.weight.dtype)
+        logits, _ = self(idx, kv_cache=cache)
+        done = torch.zeros(B, dtype=torch.bool, device=idx.device)
+        for _ in range(max_new_tokens):
+            next_token = sample_next(logits[:, -1], temperature, top_k, generator)
+            if stop_id is not None:
+                next_token = torch.where(done, stop_id, next_token)
+                done |= next_token == stop_id
+            idx = torch.cat([idx, next_token[:, None]], dim=1)
+            if done.all():
+                break
+            logits, _ = self(next_token[:, None], kv_cache=cache)
+        return idx
 
     def set_attn_backend(self, name):
         if name not in ATTN_BACKENDS:
@@ -445,6 +486,27 @@ class GPT(nn.Module):
         if self.cfg.tie_embeddings:
             matmul += n["embedding"]
         return 6 * matmul + 12 * self.cfg.n_layer * self.cfg.n_head * self.cfg.head_dim * seq_len
+
+
+class KVCache:
+    """Per-layer key/value buffers for decoding; the first `length` positions are filled."""
+
+    def __init__(self, cfg, batch, max_len, device, dtype):
+        shape = (batch, cfg.n_kv_head, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.length = 0
+
+
+def sample_next(logits, temperature=0.0, top_k=None, generator=None):
+    """Next token per row of (B, V) logits: argmax at temperature 0, else a softmax sample."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
 
 
 def init_model_(model, gamma=1.0, seed=0, overrides=None):

@@ -380,3 +380,34 @@ def test_loss_ignores_masked_targets():
     logits, loss = model(idx, targets)
     want = F.cross_entropy(logits[:, -1].double(), idx[:, 0])
     assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+
+
+# --- Generation -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [dict(), dict(n_kv_head=1, attn_gate="headwise"), dict(attn_backend="flex"),
+                                dict(n_experts=4, top_k=2, d_expert=32)])
+def test_cached_greedy_generation_equals_full_recomputation(kw):
+    model = built(tiny(max_seq_len=40, **kw))
+    idx = torch.randint(1, 50, (3, 7))
+    out = model.generate(idx, 20)
+    ref = idx
+    with torch.no_grad():
+        for _ in range(20):
+            ref = torch.cat([ref, model(ref)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, ref)
+
+
+def test_sampling_is_seeded_and_stop_id_ends_rows():
+    model = built(tiny(max_seq_len=40))
+    idx = torch.randint(1, 50, (4, 5))
+    draw = [model.generate(idx, 12, temperature=1.0, top_k=10, generator=torch.Generator().manual_seed(s))
+            for s in (0, 0, 1)]
+    assert torch.equal(draw[0], draw[1]) and not torch.equal(draw[0], draw[2])
+    assert torch.equal(model.generate(idx, 12, temperature=1.0, top_k=1), model.generate(idx, 12))
+    greedy = model.generate(idx, 12)
+    stop = greedy[0, 8].item()  # row 0 emits this token at its 4th new position
+    out = model.generate(idx, 12, stop_id=stop)
+    first = (out[0, 5:] == stop).nonzero()[0].item() + 5
+    assert torch.all(out[0, first:] == stop) and torch.equal(out[0, :first], greedy[0, :first])
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model.generate(idx, 40)
