@@ -89,6 +89,10 @@ class GPTConfig:
             raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
         if self.d_expert == 0:
             self.d_expert = self.d_ff
+        if self.n_experts and self.moe_impl == "grouped" and (self.d_model % 8 or self.d_expert % 8):
+            # Grouped GEMM kernels (CUDA and CPU) need 16-byte-aligned row strides: 8 bf16 values.
+            raise ValueError(f"moe_impl='grouped' needs d_model ({self.d_model}) and d_expert ({self.d_expert}) "
+                             f"divisible by 8; change them or use moe_impl='reference'")
         if self.doc_mask and not 0 <= self.eot_id < self.vocab_size:
             raise ValueError(f"doc_mask=True needs eot_id in [0, vocab_size={self.vocab_size}), got {self.eot_id}")
 

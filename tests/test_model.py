@@ -352,6 +352,7 @@ def test_param_and_flop_counts_by_hand():
     (dict(d_model=60, n_head=8), "divisible"),
     (dict(n_head=4, n_kv_head=3), "divisible"),
     (dict(n_experts=4, top_k=5), "top_k"),
+    (dict(n_experts=4, d_expert=36), "divisible by 8"),
     (dict(attn_gate="sigmoid"), "attn_gate"),
     (dict(attn_backend="flash"), "attn_backend"),
     (dict(mlp="relu"), "mlp"),
