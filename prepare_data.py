@@ -261,8 +261,10 @@ def clear_outputs(out_dir):
     meta = os.path.join(out_dir, "meta.json")
     if os.path.exists(meta):
         os.remove(meta)
-    for path in glob.glob(os.path.join(out_dir, "*.bin")) + glob.glob(os.path.join(out_dir, "*.tmp")):
-        os.remove(path)
+    shard_names = "*_" + "[0-9]" * 6 + ".bin"  # only what ShardWriter writes: the folder may hold other files
+    for pattern in (shard_names, shard_names + ".tmp", "meta.json.tmp"):
+        for path in glob.glob(os.path.join(out_dir, pattern)):
+            os.remove(path)
 
 
 def write_meta(out_dir, meta):
@@ -794,6 +796,8 @@ def anchor_records(task, n, keys, pairs, rng):
 
 
 def check_anchor_task(task):
+    if task.keys[0] > task.keys[1] or task.fillers[0] > task.fillers[1]:
+        raise ValueError(f"ranges go LO-HI: keys {task.keys}, fillers {task.fillers}")
     lowest = min(task.keys[0], task.fillers[0])
     if lowest <= max(ANCHOR_SHIFTS):
         raise ValueError(f"keys and fillers must be above the anchor tokens 1..{max(ANCHOR_SHIFTS)}")
@@ -884,34 +888,37 @@ def parse_pair(text):
     return int(a), int(b)
 
 
+def add_text_arguments(p):
+    p.add_argument("--source", action="append", required=True, metavar="NAME=PATH[,key=value...]",
+                   help="a text source, repeatable. PATH: file, folder, glob or hf:owner/dataset. keys: "
+                        "weight (token share), field (json/parquet/hub column), config and split (hub), "
+                        "sample_by (.txt docs: paragraph|document|line), sep (cut docs at it), max_tokens")
+    # bytes: no download, and its 257 ids are GPTConfig's default vocab, so tiny CPU runs just work
+    p.add_argument("--tokenizer", default="bytes", help="bytes, gpt2, r50k_base, cl100k_base, o200k_base")
+    # None: tiktoken downloads (or finds its cache); offline clusters point this at the published files
+    p.add_argument("--tokenizer-dir", help="folder with the published tokenizer files (sha256 checked)")
+    # None: take all local data the weights allow; hub sources need a budget
+    p.add_argument("--max-tokens", help="total token budget of the mixture (e.g. 500M, 2B)")
+    # 2%: a stable val loss on a few-MB corpus; lower it for large corpora
+    p.add_argument("--val-fraction", type=float, default=0.02, help="share of each source's tokens held out by document")
+    p.add_argument("--seed", type=int, default=0, help="fixes document selection, val split and order")
+    # one tokenizer process per usable core: tokenization is CPU-bound
+    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
+    # 100M tokens (200 MB as uint16): few files, each cheap to map, as in nanoGPT/llm.c FineWeb shards
+    p.add_argument("--shard-tokens", type=parse_count, default=100_000_000)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     commands = parser.add_subparsers(dest="command", required=True)
 
-    text = argparse.ArgumentParser(add_help=False)
-    text.add_argument("--source", action="append", required=True, metavar="NAME=PATH[,key=value...]",
-                      help="a text source, repeatable. PATH: file, folder, glob or hf:owner/dataset. keys: "
-                           "weight (token share), field (json/parquet/hub column), config and split (hub), "
-                           "sample_by (.txt docs: paragraph|document|line), sep (cut docs at it), max_tokens")
-    # bytes: no download, and its 257 ids are GPTConfig's default vocab, so tiny CPU runs just work
-    text.add_argument("--tokenizer", default="bytes", help="bytes, gpt2, r50k_base, cl100k_base, o200k_base")
-    # None: tiktoken downloads (or finds its cache); offline clusters point this at the published files
-    text.add_argument("--tokenizer-dir", help="folder with the published tokenizer files (sha256 checked)")
-    # None: take all local data the weights allow; hub sources need a budget
-    text.add_argument("--max-tokens", help="total token budget of the mixture (e.g. 500M, 2B)")
-    # 2%: a stable val loss on a few-MB corpus; lower it for large corpora
-    text.add_argument("--val-fraction", type=float, default=0.02, help="share of each source's tokens held out by document")
-    text.add_argument("--seed", type=int, default=0, help="fixes document selection, val split and order")
-    # one tokenizer process per usable core: tokenization is CPU-bound
-    text.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
-    # 100M tokens (200 MB as uint16): few files, each cheap to map, as in nanoGPT/llm.c FineWeb shards
-    text.add_argument("--shard-tokens", type=parse_count, default=100_000_000)
-
-    p = commands.add_parser("text", parents=[text], help="tokenize text sources into shards")
+    p = commands.add_parser("text", help="tokenize text sources into shards")
+    add_text_arguments(p)
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--force", action="store_true", help="rebuild even if the folder is complete with these settings")
 
-    p = commands.add_parser("bench", parents=[text], help="pipeline throughput vs raw tiktoken (prints numbers)")
+    p = commands.add_parser("bench", help="pipeline throughput vs raw tiktoken (prints numbers)")
+    add_text_arguments(p)
     p.set_defaults(tokenizer="gpt2")  # the reference measurement
 
     p = commands.add_parser("anchor", help="generate the anchor-function task")

@@ -1,0 +1,482 @@
+"""prepare_data.py: tokenizers, shards, mixture, val split, crash safety, loader, anchor task.
+
+Tests write their own small corpora; the ones that need the offline kit (../shared/data) skip
+with a reason when it is absent.
+"""
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import prepare_data as P
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED = os.path.join(ROOT, "..", "shared", "data")
+needs_shared = pytest.mark.skipif(not os.path.isdir(SHARED), reason="offline kit ../shared/data is absent")
+
+
+def write_jsonl(path, texts, field="text"):
+    with open(path, "w", encoding="utf-8") as f:
+        for t in texts:
+            f.write(json.dumps({field: t}) + "\n")
+    return path
+
+
+def random_docs(n, alphabet, seed, lo=20, hi=120):
+    rng = random.Random(seed)
+    # the first character tells the alphabet (so the source) of a document, the tail makes it unique
+    return ["".join(rng.choice(alphabet.strip()) + rng.choice(alphabet) for _ in range(rng.randint(lo, hi) // 2))
+            + f" #{i}" for i in range(n)]
+
+
+def prepare(out, *sources, **options):
+    """Run the CLI in-process: prepare(out, "a=path,weight=1", tokenizer="bytes", val_fraction=0)."""
+    argv = ["text", "--out", str(out), "--workers", str(options.pop("workers", 1))]
+    for s in sources:
+        argv += ["--source", s]
+    for key, value in options.items():
+        argv += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    P.main(argv)
+    return P.load_meta(str(out))
+
+
+def split_stream(out, split):
+    """All tokens of a split, read straight from the files (not through the loader)."""
+    meta = P.load_meta(str(out))
+    return np.concatenate([np.asarray(P.read_shard(os.path.join(out, n)).tokens) for n in meta["splits"][split]["shards"]])
+
+
+def decoded_docs(out, split):
+    """Documents of a split: the byte-level stream cut at eot (256), every document ends with one."""
+    stream = split_stream(out, split).tolist()
+    assert stream[-1] == 256
+    docs, current = [], []
+    for t in stream:
+        if t == 256:
+            docs.append(bytes(current).decode("utf-8"))
+            current = []
+        else:
+            current.append(t)
+    return docs
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+def test_byte_level_encoding():
+    enc = P.get_tokenizer("bytes")
+    text = "héllo, 世界\n\tend <|endoftext|>"
+    ids = enc.encode_ordinary(text)
+    assert ids == list(text.encode("utf-8"))  # literal special-token text stays plain bytes
+    assert enc.decode(ids) == text
+    assert (enc.n_vocab, enc.eot_token) == (257, 256)
+    assert enc.encode(P.EOT, allowed_special="all") == [256]
+
+
+def test_offline_tokenizer_names_missing_files(tmp_path):
+    with pytest.raises(FileNotFoundError) as e:
+        P.get_tokenizer("gpt2", str(tmp_path))
+    assert "encoder.json" in str(e.value) and "r50k_base.tiktoken" in str(e.value)
+    (tmp_path / "vocab.bpe").write_text("x")
+    with pytest.raises(FileNotFoundError, match=r"missing: encoder\.json"):
+        P.get_tokenizer("gpt2", str(tmp_path))
+
+
+def test_offline_tokenizer_rejects_wrong_hash(tmp_path):
+    bad = tmp_path / "cl100k_base.tiktoken"
+    bad.write_bytes(b"aGVsbG8= 0\n")  # well-formed, but not the published file
+    with pytest.raises(ValueError) as e:
+        P.get_tokenizer("cl100k_base", str(tmp_path))
+    assert str(bad) in str(e.value) and "sha256" in str(e.value)
+
+
+@needs_shared
+def test_offline_tokenizer_from_kit_and_tampered_copy(tmp_path):
+    kit = os.path.join(SHARED, "tokenizers")
+    # values published in the kit's README, measured with tiktoken's own downloads
+    assert P.get_tokenizer("gpt2", kit).encode_ordinary("hello world") == [31373, 995]
+    assert P.get_tokenizer("cl100k_base", kit).encode_ordinary("hello world") == [15339, 1917]
+    # only the r50k file: gpt2 still loads (same ranks), and one flipped byte is rejected
+    shutil.copy(os.path.join(kit, "r50k_base.tiktoken"), tmp_path)
+    enc = P.get_tokenizer("gpt2", str(tmp_path))
+    assert enc.encode_ordinary("hello world") == [31373, 995] and enc.eot_token == 50256
+    data = bytearray((tmp_path / "r50k_base.tiktoken").read_bytes())
+    data[100] ^= 1
+    (tmp_path / "r50k_base.tiktoken").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="r50k_base.tiktoken: sha256"):
+        P.get_tokenizer("gpt2", str(tmp_path))
+
+
+# ---------------------------------------------------------------- shards and meta
+
+
+def test_round_trip_text_to_loader(tmp_path):
+    docs = random_docs(40, "abcdefgh ijklmn\n", seed=0) + ["ünïcödé 世界"]
+    meta = prepare(tmp_path / "out", f"a={write_jsonl(tmp_path / 'a.jsonl', docs)}", val_fraction=0, shard_tokens=500)
+    assert (meta["tokenizer"], meta["vocab_size"], meta["eot_id"], meta["dtype"]) == ("bytes", 257, 256, "uint16")
+    assert len(meta["splits"]["train"]["shards"]) > 1  # documents cross shard boundaries
+    assert sorted(decoded_docs(tmp_path / "out", "train")) == sorted(docs)
+    stream = split_stream(tmp_path / "out", "train")
+    assert len(stream) == sum(len(d.encode()) + 1 for d in docs)
+    # the loader serves exactly the T-token chunks of each shard (windows never straddle shards)
+    T = 16
+    loader = P.TokenLoader(str(tmp_path / "out"), "train", batch_size=1, seq_len=T)
+    expected = []
+    for name in meta["splits"]["train"]["shards"]:
+        tokens = np.asarray(P.read_shard(os.path.join(tmp_path / "out", name)).tokens, np.int64)
+        expected += [tuple(tokens[i:i + T + 1]) for i in range(0, len(tokens) - T, T)]
+    got = []
+    for _ in range(loader.n_windows):
+        x, y = loader.next_batch()
+        assert x.dtype == y.dtype == torch.int64 and x.shape == (1, T)
+        assert torch.equal(x[0, 1:], y[0, :-1])
+        got.append(tuple(x[0].tolist()) + (y[0, -1].item(),))
+    assert sorted(got) == sorted(expected)
+
+
+def test_json_list_field_and_parquet_sources(tmp_path):
+    poems = [{"title": "t1", "paragraphs": ["line one", "line two"]}, {"title": "t2", "paragraphs": ["solo"]}]
+    (tmp_path / "poems.json").write_text(json.dumps(poems), encoding="utf-8")
+    import pyarrow as pa  # installed with datasets
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"content": ["parquet doc one", "parquet doc two"]}), tmp_path / "p.parquet")
+    prepare(tmp_path / "json", f"poems={tmp_path / 'poems.json'},field=paragraphs", val_fraction=0)
+    assert sorted(decoded_docs(tmp_path / "json", "train")) == ["line one\nline two", "solo"]
+    prepare(tmp_path / "pq", f"pq={tmp_path / 'p.parquet'},field=content", val_fraction=0)
+    assert sorted(decoded_docs(tmp_path / "pq", "train")) == ["parquet doc one", "parquet doc two"]
+
+
+def test_txt_paragraphs_glob_and_separator(tmp_path):
+    (tmp_path / "b1.txt").write_text("first para\nstill first\n\nsecond para\n", encoding="utf-8")
+    (tmp_path / "b2.txt").write_text("story one<|endoftext|>\nstory two\n", encoding="utf-8")
+    prepare(tmp_path / "p", f"b={tmp_path / 'b1.txt'}", val_fraction=0)
+    assert sorted(decoded_docs(tmp_path / "p", "train")) == ["first para\nstill first", "second para\n"]
+    prepare(tmp_path / "s", f"b={tmp_path / 'b*.txt'},sample_by=document,sep=<|endoftext|>", val_fraction=0)
+    assert sorted(decoded_docs(tmp_path / "s", "train")) == sorted(
+        ["first para\nstill first\n\nsecond para", "story one", "story two"])
+
+
+def make_shard_folder(tmp_path):
+    prepare(tmp_path / "out", f"a={write_jsonl(tmp_path / 'a.jsonl', random_docs(30, 'abc', 1))}", val_fraction=0)
+    return tmp_path / "out", str(tmp_path / "out" / "train_000000.bin")
+
+
+def test_header_and_size_validation(tmp_path):
+    out, shard = make_shard_folder(tmp_path)
+    good = open(shard, "rb").read()
+    with open(shard, "wb") as f:
+        f.write(good[:-1])
+    with pytest.raises(ValueError, match="truncated") as e:
+        P.TokenLoader(str(out), "train", 2, 8)
+    assert shard in str(e.value)
+    with open(shard, "wb") as f:
+        f.write(b"PK\x03\x04 not a shard" + good[20:])
+    with pytest.raises(ValueError, match="not a smallinit token shard") as e:
+        P.read_shard(shard)
+    assert shard in str(e.value)
+    with open(shard, "wb") as f:
+        f.write(good[:8] + (99).to_bytes(4, "little") + good[12:])
+    with pytest.raises(ValueError, match="format version 99"):
+        P.read_shard(shard)
+    with open(shard, "wb") as f:  # a valid shard with other contents than meta.json describes
+        P.write_shard(shard, np.zeros(5, np.uint16), np.zeros((1, 2), np.int64))
+    with pytest.raises(ValueError, match="meta.json says"):
+        P.TokenLoader(str(out), "train", 1, 2)
+    os.remove(out / "meta.json")
+    with pytest.raises(FileNotFoundError, match="meta.json not found"):
+        P.load_meta(str(out))
+
+
+def test_loader_argument_errors(tmp_path):
+    out, _ = make_shard_folder(tmp_path)
+    with pytest.raises(ValueError, match="no split 'val'"):
+        P.TokenLoader(str(out), "val", 2, 8)
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        P.TokenLoader(str(out), "train", 10_000, 8)
+    meta = P.load_meta(str(out))
+    P.check_model_vocab(meta, 257)
+    P.check_model_vocab(meta, 320, tokenizer="bytes")  # padded vocab is fine
+    with pytest.raises(ValueError, match="vocab_size >= 257"):
+        P.check_model_vocab(meta, 256)
+    with pytest.raises(ValueError, match="tokenized with 'bytes'"):
+        P.check_model_vocab(meta, 50304, tokenizer="gpt2")
+
+
+def test_bad_source_specs_are_one_line_errors(tmp_path):
+    with pytest.raises(SystemExit, match="unknown option 'wieght'"):
+        P.main(["text", "--out", str(tmp_path / "o"), "--source", "a=x.txt,wieght=2"])
+    with pytest.raises(SystemExit, match="nothing matches"):
+        P.main(["text", "--out", str(tmp_path / "o"), "--source", f"a={tmp_path}/none/*.txt"])
+    with pytest.raises(SystemExit, match="give it max_tokens"):
+        P.main(["text", "--out", str(tmp_path / "o"), "--source", "a=hf:org/data"])
+    path = write_jsonl(tmp_path / "c.jsonl", ["x y z"], field="content")
+    with pytest.raises(SystemExit, match="no field 'text'.*content"):
+        P.main(["text", "--out", str(tmp_path / "o"), "--workers", "1", "--source", f"a={path}"])
+
+
+# ---------------------------------------------------------------- mixture and split
+
+
+def source_of(doc):
+    return "a" if doc[0] in "abcdef" else "b"
+
+
+def test_mixture_proportions_and_source_ids(tmp_path):
+    by_source = {"a": set(random_docs(300, "abcdef ", seed=2)), "b": set(random_docs(300, "uvwxyz ", seed=3, lo=10, hi=300))}
+    a = write_jsonl(tmp_path / "a.jsonl", sorted(by_source["a"]))
+    b = write_jsonl(tmp_path / "b.jsonl", sorted(by_source["b"]))
+    for weights, budget in [((0.7, 0.3), None), ((0.5, 0.5), 20_000)]:
+        out = tmp_path / f"mix{budget}"
+        options = {"max_tokens": budget} if budget else {}
+        meta = prepare(out, f"a={a},weight={weights[0]}", f"b={b},weight={weights[1]}",
+                       val_fraction=0.05, workers=2, **options)
+        assert meta["sources"] == ["a", "b"]
+        counts, cut = {"a": 0, "b": 0}, []
+        for split in ("train", "val"):
+            for doc in decoded_docs(out, split):
+                counts[source_of(doc)] += len(doc.encode()) + 1
+                full = by_source[source_of(doc)]
+                assert any(d.startswith(doc) for d in full)  # each document whole, or cut at the end
+                cut += [] if doc in full else [doc]
+        assert len(cut) <= 2  # at most the last document taken from each source
+        total = sum(counts.values())
+        if budget:
+            assert total == budget
+        for name, w in zip("ab", weights):
+            assert abs(counts[name] / total - w) < 0.02, (counts, weights)
+        # per-token source ids from the loader agree with the letters of the targets
+        loader = P.TokenLoader(str(out), "train", batch_size=8, seq_len=64)
+        x, y, src = loader.next_batch(with_sources=True)
+        letters = (y >= ord("a")) & (y <= ord("z"))
+        assert letters.any()
+        is_b = (y >= ord("u")) & (y <= ord("z"))
+        assert torch.equal(src[letters], is_b[letters].long())
+
+
+def test_mixture_short_source_is_an_error(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", random_docs(20, "ab", seed=0))
+    with pytest.raises(SystemExit, match="source a has .* tokens, the mixture needs"):
+        prepare(tmp_path / "o", f"a={a}", max_tokens="1M")
+
+
+def test_val_split_disjoint_by_document_and_seeded(tmp_path):
+    docs = random_docs(200, "abcdefgh", seed=4)
+    path = write_jsonl(tmp_path / "a.jsonl", docs)
+    splits = {}
+    for seed in (0, 0, 1):
+        out = tmp_path / f"s{seed}_{len(splits)}"
+        meta = prepare(out, f"a={path}", val_fraction=0.1, seed=seed)
+        train, val = decoded_docs(out, "train"), decoded_docs(out, "val")
+        assert not set(train) & set(val)
+        assert sorted(train + val) == sorted(docs)  # whole documents, none lost or cut
+        val_share = meta["source_stats"]["a"]["val_tokens"] / sum(len(d.encode()) + 1 for d in docs)
+        assert 0.1 <= val_share < 0.1 + 0.01  # at most one document past the target
+        splits[len(splits)] = (seed, sorted(val))
+    assert splits[0][1] == splits[1][1]  # same seed, same val documents
+    assert splits[0][1] != splits[2][1]  # another seed, another split
+
+
+# ---------------------------------------------------------------- crash safety
+
+
+def test_interrupted_run_is_refused_then_resumes(tmp_path, monkeypatch, capsys):
+    src = f"a={write_jsonl(tmp_path / 'a.jsonl', random_docs(100, 'abcdefgh', seed=5))}"
+    reference = prepare(tmp_path / "ref", src, shard_tokens=1000)
+    out = tmp_path / "out"
+    prepare(out, src, shard_tokens=1000, seed=7)  # a complete, older build in the same folder
+
+    real = P.write_shard
+    calls = []
+
+    def crash_on_third(path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 3:  # die halfway through writing a shard
+            with open(path + ".tmp", "wb") as f:
+                f.write(b"SITOKENS partial")
+            raise KeyboardInterrupt
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(P, "write_shard", crash_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(out, src, shard_tokens=1000)
+    monkeypatch.setattr(P, "write_shard", real)
+    # nothing a reader would take: the old meta is gone, the half shard has no final name
+    with pytest.raises(FileNotFoundError, match="did not finish"):
+        P.TokenLoader(str(out), "train", 2, 8)
+    assert not os.path.exists(calls[2])
+    # re-running reuses the finished tokenization and ends identical to a clean build
+    capsys.readouterr()
+    meta = prepare(out, src, shard_tokens=1000)
+    assert "reusing tokens" in capsys.readouterr().err
+    assert meta["splits"] == reference["splits"]
+    for name in meta["splits"]["train"]["shards"] + meta["splits"]["val"]["shards"]:
+        assert open(out / name, "rb").read() == open(tmp_path / "ref" / name, "rb").read()
+    assert sorted(os.listdir(out)) == sorted(os.listdir(tmp_path / "ref"))  # no stale shards or temp files
+    # a complete folder with the same settings is left alone
+    prepare(out, src, shard_tokens=1000)
+    assert "already prepared" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- loader state and ranks
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("text")
+    rng = np.random.default_rng(0)  # random bytes: every window's contents are unique
+    docs = ["".join(chr(c) for c in rng.integers(33, 127, size=rng.integers(50, 400))) for _ in range(60)]
+    prepare(tmp / "out", f"a={write_jsonl(tmp / 'a.jsonl', docs)}", val_fraction=0, shard_tokens=3000)
+    return str(tmp / "out")
+
+
+def test_loader_resume_is_exact(text_dir):
+    loader = P.TokenLoader(text_dir, "train", batch_size=4, seq_len=32, seed=3)
+    steps_per_epoch = loader.n_windows // 4
+    for _ in range(steps_per_epoch - 1):  # the next batches cross into epoch 1
+        loader.next_batch()
+    state = json.loads(json.dumps(loader.state_dict()))
+    expected = [loader.next_batch(with_sources=True) for _ in range(3)]
+    resumed = P.TokenLoader(text_dir, "train", batch_size=4, seq_len=32, seed=3)
+    resumed.load_state_dict(state)
+    for want, got in zip(expected, (resumed.next_batch(with_sources=True) for _ in range(3))):
+        assert all(torch.equal(w, g) for w, g in zip(want, got))
+    assert resumed.epoch == 1
+    other = P.TokenLoader(text_dir, "train", batch_size=4, seq_len=16)
+    with pytest.raises(ValueError, match="different data or seq_len"):
+        other.load_state_dict(state)
+
+
+def test_ranks_are_disjoint_slices_of_the_global_batch(text_dir):
+    B, W = 3, 3
+    single = P.TokenLoader(text_dir, "train", batch_size=B * W, seq_len=24, seed=1)
+    ranks = [P.TokenLoader(text_dir, "train", batch_size=B, seq_len=24, rank=r, world_size=W, seed=1) for r in range(W)]
+    seen = set()
+    for _ in range(single.n_windows // (B * W)):  # one full epoch
+        gx, gy = single.next_batch()
+        for r, loader in enumerate(ranks):
+            x, y = loader.next_batch()
+            assert torch.equal(x, gx[r * B:(r + 1) * B]) and torch.equal(y, gy[r * B:(r + 1) * B])
+            rows = {tuple(row) for row in x.tolist()}
+            assert not rows & seen
+            seen |= rows
+    assert len(seen) == single.n_windows // (B * W) * B * W
+    assert not torch.equal(P.TokenLoader(text_dir, "train", 4, 24, seed=2).next_batch()[0],
+                           P.TokenLoader(text_dir, "train", 4, 24, seed=1).next_batch()[0])
+
+
+def test_tokenization_independent_of_worker_count(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", random_docs(400, "abcdefgh ", seed=6))
+    one = prepare(tmp_path / "w1", f"a={path}", workers=1)
+    two = prepare(tmp_path / "w2", f"a={path}", workers=2)
+    assert one["splits"] == two["splits"]
+    for name in one["splits"]["train"]["shards"]:
+        assert open(tmp_path / "w1" / name, "rb").read() == open(tmp_path / "w2" / name, "rb").read()
+
+
+@needs_shared
+def test_gpt2_round_trip_on_shared_corpus(tmp_path):
+    text = open(os.path.join(SHARED, "corpus", "en", "tinyshakespeare", "input.txt"), encoding="utf-8").read()[:20000]
+    (tmp_path / "s.txt").write_text(text, encoding="utf-8")
+    kit = os.path.join(SHARED, "tokenizers")
+    meta = prepare(tmp_path / "out", f"s={tmp_path / 's.txt'},sample_by=document", tokenizer="gpt2",
+                   tokenizer_dir=kit, val_fraction=0)
+    assert (meta["vocab_size"], meta["eot_id"]) == (50257, 50256)
+    enc = P.get_tokenizer("gpt2", kit)
+    assert enc.decode(split_stream(tmp_path / "out", "train").tolist()) == text + P.EOT
+
+
+# ---------------------------------------------------------------- anchor task
+
+SHIFTS = {1: 5, 2: 1, 3: -2, 4: -8}  # the issue's single functions, written out independently
+
+
+@pytest.fixture(scope="module")
+def anchor_dir(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("anchor") / "a")
+    P.main(["anchor", "--out", out, "--n-train", "3000", "--n-eval", "500", "--seed", "11"])
+    return out
+
+
+def test_anchor_invariants(anchor_dir):
+    meta = P.load_meta(anchor_dir)
+    assert meta["record_len"] == 10 and meta["vocab_size"] == 128 and meta["dtype"] == "uint16"
+    test_keys = set(meta["anchor"]["test_keys"])
+    assert len(test_keys) == 16 and test_keys <= set(range(20, 100))
+    for split in ("train", "val", "test", "heldout"):
+        records = P.read_records(anchor_dir, split)
+        assert records.shape == (meta["splits"][split]["records"], 10)
+        assert records.max() < meta["vocab_size"] and records.min() >= 0
+        for row in records.tolist():
+            inputs, target = row[:-1], row[-1]
+            where = [i for i, t in enumerate(inputs) if t in SHIFTS]
+            assert len(where) == 2 and where[1] == where[0] + 1 and where[0] >= 1  # key, a, b in a row
+            key, a, b = inputs[where[0] - 1], inputs[where[0]], inputs[where[1]]
+            assert 20 <= key <= 99 and all(20 <= t <= 99 for i, t in enumerate(inputs) if i not in where)
+            if split == "heldout":
+                assert (a, b) == (4, 3) and target == key - 10  # stored answer: the inferential one
+                continue
+            assert (a, b) != (4, 3)
+            assert (key in test_keys) == (split == "test")
+            assert target == (key - 6 if (a, b) == (3, 4) else key + SHIFTS[a] + SHIFTS[b])
+    train = P.read_records(anchor_dir, "train")
+    _, a, b, _ = P.anchor_fields(train)
+    assert len(set(zip(a.tolist(), b.tolist()))) == 15  # every seen pair is trained
+
+
+def test_anchor_loader_masks_all_but_the_answer(anchor_dir):
+    loader = P.TokenLoader(anchor_dir, "train", batch_size=16, seed=0)
+    x, y, src = loader.next_batch(with_sources=True)
+    assert x.shape == y.shape == (16, 9)
+    assert (y[:, :-1] == -1).all() and (y[:, -1] >= 0).all()
+    key, a, b, target = P.anchor_fields(torch.cat([x, y[:, -1:]], 1).numpy())
+    assert torch.equal(y[:, -1], torch.from_numpy(target))
+    names = P.load_meta(anchor_dir)["sources"]
+    assert [names[s] for s in src[:, -1].tolist()] == [f"pair_{i}_{j}" for i, j in zip(a.tolist(), b.tolist())]
+    with pytest.raises(ValueError, match="use seq_len=9"):
+        P.TokenLoader(anchor_dir, "train", batch_size=4, seq_len=16)
+
+
+def test_anchor_answer_kinds_and_accuracy(anchor_dir):
+    meta = P.load_meta(anchor_dir)
+    held = P.read_records(anchor_dir, "heldout")[:4]
+    key = P.anchor_fields(held)[0]
+    predictions = np.array([key[0] - 10, key[1] - 6, key[2] + 1, key[3] - 10])
+    assert P.anchor_answer_kinds(held, predictions, meta) == {
+        "inferential": 0.5, "symmetric": 0.25, "other": 0.25, "n": 4}
+    test = P.read_records(anchor_dir, "test")[:5]
+    assert P.anchor_accuracy(test, torch.tensor(test[:, -1])) == 1.0
+    assert P.anchor_accuracy(test, np.r_[test[:3, -1], test[3:, -1] + 1]) == 0.6
+
+
+def test_anchor_same_seed_same_bytes(anchor_dir, tmp_path):
+    again, other = str(tmp_path / "again"), str(tmp_path / "other")
+    P.main(["anchor", "--out", again, "--n-train", "3000", "--n-eval", "500", "--seed", "11"])
+    P.main(["anchor", "--out", other, "--n-train", "3000", "--n-eval", "500", "--seed", "12"])
+    for name in ("train_000000.bin", "heldout_000000.bin"):
+        same = open(os.path.join(anchor_dir, name), "rb").read()
+        assert open(os.path.join(again, name), "rb").read() == same
+        assert open(os.path.join(other, name), "rb").read() != same
+
+
+def test_anchor_bad_parameters():
+    with pytest.raises(ValueError, match="above the anchor tokens"):
+        P.prepare_anchor(P.AnchorTask(fillers=(0, 99)), "unused")
+    with pytest.raises(ValueError, match="below token 0"):
+        P.prepare_anchor(P.AnchorTask(keys=(10, 99), fillers=(10, 99)), "unused")
+    assert P.anchor_vocab(P.AnchorTask()) == (128, 110)  # targets reach 109
+
+
+def test_cli_help_and_one_line_errors(tmp_path, capsys):
+    for command in ("text", "bench", "anchor"):
+        with pytest.raises(SystemExit) as e:
+            P.main([command, "--help"])
+        assert e.value.code == 0 and "--seed" in capsys.readouterr().out
+    run = subprocess.run([sys.executable, "prepare_data.py", "anchor", "--out", str(tmp_path / "a"), "--n-train", "100",
+                          "--keys", "30-3"], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 1 and run.stderr.strip().startswith("error:") and len(run.stderr.strip().splitlines()) == 1
