@@ -502,7 +502,6 @@ _worker_enc = None
 
 def init_worker(tokenizer, tokenizer_dir):
     global _worker_enc
-    torch.set_num_threads(1)
     _worker_enc = get_tokenizer(tokenizer, tokenizer_dir)
 
 
@@ -615,31 +614,27 @@ def mixture_quotas(sources, available, max_tokens):
 
 
 def select_documents(lengths, quota, val_fraction, rng):
-    """Documents (index, tokens to keep) for train and val, in a seeded random order.
+    """(doc index, tokens to keep) rows for train and val, in a seeded random order of documents.
 
     Documents are taken until the quota is met, the last one cut to fit (its eot kept). The first
     of them go to val until it holds val_fraction of the source, always leaving train one.
     """
-    chosen, total = [], 0
-    for d in rng.permutation(len(lengths)):
-        keep = min(int(lengths[d]), quota - total)
-        if keep < 1:
-            break
-        chosen.append((int(d), keep))
-        total += keep
-    val, val_tokens = [], 0
-    while val_tokens < val_fraction * total and len(val) < len(chosen) - 1:
-        val.append(chosen[len(val)])
-        val_tokens += val[-1][1]
-    return chosen[len(val):], val
+    order = rng.permutation(len(lengths))
+    ends = np.cumsum(lengths[order])
+    n = min(int(np.searchsorted(ends, quota)) + 1, len(order))
+    docs = np.stack([order[:n], lengths[order[:n]]], 1)
+    docs[-1, 1] -= max(0, int(ends[n - 1]) - quota)
+    docs = docs[docs[:, 1] > 0]
+    n_val = int(np.searchsorted(np.cumsum(docs[:, 1]), val_fraction * docs[:, 1].sum())) + 1 if val_fraction > 0 else 0
+    n_val = min(n_val, len(docs) - 1)
+    return docs[n_val:], docs[:n_val]
 
 
 def write_text_split(out_dir, split, docs, caches, eot, dtype, shard_tokens, rng):
-    """docs: (source id, doc index, tokens to keep). Written in a seeded order that mixes sources."""
+    """docs: int64 rows (source id, doc index, tokens to keep), written in a seeded order that mixes sources."""
     starts = [np.concatenate([[0], np.cumsum(lengths)]) for _, lengths in caches]
     writer = ShardWriter(out_dir, split, dtype, shard_tokens)
-    for i in rng.permutation(len(docs)):
-        src, d, keep = docs[i]
+    for src, d, keep in docs[rng.permutation(len(docs))].tolist():
         tokens = caches[src][0][starts[src][d]:starts[src][d] + keep]
         if tokens[-1] != eot:  # a document cut to fit the quota still ends its document
             tokens = np.append(tokens[:-1], eot).astype(dtype)
@@ -651,19 +646,20 @@ def prepare_text(args):
     sources = [parse_source(s) for s in args.source]
     names = [s.name for s in sources]
     if len(set(names)) != len(names):
-        raise SystemExit(f"source names must be unique: {names}")
+        raise ValueError(f"source names must be unique: {names}")
     for s in sources:
         if s.path.startswith("hf:") and s.max_tokens is None and args.max_tokens is None:
-            raise SystemExit(f"source {s.name} streams from the hub: give it max_tokens=N or set --max-tokens")
+            raise ValueError(f"source {s.name} streams from the hub: give it max_tokens=N or set --max-tokens")
     enc = get_tokenizer(args.tokenizer, args.tokenizer_dir)
     max_tokens = parse_count(args.max_tokens) if args.max_tokens else None
     settings = {"sources": [asdict(s) for s in sources], "tokenizer": args.tokenizer, "max_tokens": max_tokens,
                 "val_fraction": args.val_fraction, "seed": args.seed, "shard_tokens": args.shard_tokens}
     os.makedirs(args.out, exist_ok=True)
     if os.path.exists(os.path.join(args.out, "meta.json")) and not args.force:
-        if load_meta(args.out).get("settings") == settings:
+        meta = load_meta(args.out)
+        if meta.get("settings") == settings:
             print(f"{args.out} is already prepared with these settings (--force rebuilds it)")
-            return load_meta(args.out)
+            return meta
     clear_outputs(args.out)
     start = time.time()
 
@@ -687,17 +683,18 @@ def prepare_text(args):
     stats = {}
     for i, (s, (_, lengths), quota) in enumerate(zip(sources, caches, quotas)):
         train, val = select_documents(lengths, quota, args.val_fraction, np.random.default_rng([args.seed, i]))
-        if not val and args.val_fraction > 0:
+        if not len(val) and args.val_fraction > 0:
             print(f"warning: source {s.name} has too few documents for a val split "
                   f"(use sample_by=paragraph or line)", file=sys.stderr)
-        split_docs["train"] += [(i, d, k) for d, k in train]
-        split_docs["val"] += [(i, d, k) for d, k in val]
+        for split, docs in (("train", train), ("val", val)):
+            split_docs[split].append(np.column_stack([np.full(len(docs), i), docs]))
         stats[s.name] = {"weight": s.weight, "read_docs": len(lengths), "read_tokens": int(lengths.sum()),
-                         "train_docs": len(train), "train_tokens": sum(k for _, k in train),
-                         "val_docs": len(val), "val_tokens": sum(k for _, k in val)}
+                         "train_docs": len(train), "train_tokens": int(train[:, 1].sum()),
+                         "val_docs": len(val), "val_tokens": int(val[:, 1].sum())}
     splits = {}
     for j, (split, docs) in enumerate(split_docs.items()):
-        if docs:
+        docs = np.concatenate(docs)
+        if len(docs):
             rng = np.random.default_rng([args.seed, len(sources) + j])
             splits[split] = write_text_split(args.out, split, docs, caches, enc.eot_token, dtype, args.shard_tokens, rng)
     total = sum(sp["tokens"] for sp in splits.values())
