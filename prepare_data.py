@@ -526,12 +526,13 @@ def parallel_map(pool, fn, tasks, workers):
 
 
 class Progress:
-    """A one-line progress report. Besides the overall rate it keeps the steady rate, counted from
+    """A one-line progress report: a bar when the token budget is known (a stream has no length),
+    else a counter, and tokens/s. Besides the overall rate it keeps the steady rate, counted from
     the first result on: start-up (imports, worker start, opening the dataset) is a fixed cost
     that the pipeline's throughput at scale does not pay per token."""
 
-    def __init__(self, label):
-        self.label, self.start, self.last, self.tokens = label, time.time(), 0.0, 0
+    def __init__(self, label, total=None):
+        self.label, self.total, self.start, self.last, self.tokens = label, total, time.time(), 0.0, 0
         self.first = None  # (time, tokens) at the first result
 
     def update(self, tokens, final=False):
@@ -542,7 +543,11 @@ class Progress:
         if final or now - self.last > 0.5:
             self.last = now
             rate = self.tokens / max(now - self.start, 1e-9)
-            print(f"\r{self.label}: {self.tokens:,} tokens, {rate / 1e6:.2f}M tok/s", end="\n" if final else "",
+            bar = ""
+            if self.total:
+                done = min(self.tokens / self.total, 1.0)
+                bar = f"[{'#' * int(30 * done):<30}] {done:4.0%} "
+            print(f"\r{self.label}: {bar}{self.tokens:,} tokens, {rate / 1e6:.2f}M tok/s", end="\n" if final else "",
                   file=sys.stderr, flush=True)
 
     def steady(self):
@@ -567,7 +572,7 @@ def tokenize_source(source, pool, workers, cache_dir, cap, dtype, fingerprint):
                 print(f"{source.name}: reusing tokens from an interrupted run", file=sys.stderr)
                 return np.memmap(tokens_path, dtype, "r"), np.load(lengths_path), None
         os.remove(done)
-    progress = Progress(f"tokenizing {source.name}")
+    progress = Progress(f"tokenizing {source.name}", cap)
     lengths, count = [], 0
     tmp = tokens_path + ".tmp"
     with open(tmp, "wb") as raw:
@@ -678,7 +683,9 @@ def prepare_text(args):
     tokenize_seconds = time.time() - start
 
     # 2) mix by token weights, split by documents, write shards
-    quotas = mixture_quotas(sources, [len(t) for t, _ in caches], max_tokens)
+    # the last batch read overshoots a source's own max_tokens: the budget, not the read, counts
+    available = [min(len(t), s.max_tokens or len(t)) for s, (t, _) in zip(sources, caches)]
+    quotas = mixture_quotas(sources, available, max_tokens)
     split_docs = {"train": [], "val": []}
     stats = {}
     for i, (s, (_, lengths), quota) in enumerate(zip(sources, caches, quotas)):

@@ -259,6 +259,18 @@ def test_mixture_proportions_and_source_ids(tmp_path):
         assert torch.equal(src[letters], is_b[letters].long())
 
 
+def test_hub_source_streams_within_its_budget(tmp_path):
+    # datasets resolves hf:<folder> like a hub repository: the streaming path, without a network
+    docs = random_docs(300, "abcdef ", seed=8)
+    (tmp_path / "hub").mkdir()
+    write_jsonl(tmp_path / "hub" / "data.jsonl", docs, field="body")
+    meta = prepare(tmp_path / "out", f"h=hf:{tmp_path / 'hub'},field=body,max_tokens=5000", val_fraction=0.1)
+    got = decoded_docs(tmp_path / "out", "train") + decoded_docs(tmp_path / "out", "val")
+    assert sum(len(d.encode()) + 1 for d in got) == 5000
+    assert all(any(d.startswith(g) for d in docs) for g in got)
+    assert meta["source_stats"]["h"]["read_tokens"] >= 5000
+
+
 def test_mixture_short_source_is_an_error(tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", random_docs(20, "ab", seed=0))
     with pytest.raises(SystemExit, match="source a has .* tokens, the mixture needs"):
