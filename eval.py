@@ -484,8 +484,8 @@ def find_checkpoints(path):
             raise SystemExit(f"{path}: no ckpt_*/meta.json inside; pass a .pt export, a checkpoint "
                              "folder or a run folder written by train.py")
         return found
-    if not os.path.exists(path):
-        raise SystemExit(f"{path}: no such checkpoint")
+    if not (os.path.isfile(path) or os.path.isdir(path)):
+        raise SystemExit(f"{path}: no such checkpoint file or folder")
     return [path]
 
 
@@ -538,8 +538,10 @@ def data_dir_of(args, info):
 
 def val_batches(data, args, label):
     """A fixed token budget of validation batches with their source index per token."""
-    from prepare_data import TokenLoader
-    loader = TokenLoader(data, args.split, args.batch_size, args.seq_len, seed=args.seed)
+    from prepare_data import TokenLoader, load_meta
+    # Record datasets (the anchor task) fix the window to one record.
+    seq_len = None if "record_len" in load_meta(data) else args.seq_len
+    loader = TokenLoader(data, args.split, args.batch_size, seq_len, seed=args.seed)
     wanted = max(1, math.ceil(args.tokens / (args.batch_size * loader.seq_len)))
     # The loader starts a new epoch (repeating tokens) after n_windows; never count a token twice.
     n = min(wanted, loader.n_windows // args.batch_size)
@@ -570,7 +572,7 @@ def run_loss(args):
 
 def run_tokens(args):
     model_a, info = load_model(args.ckpt_a, args.device)
-    model_b, info_b = load_model(args.ckpt_b, args.device)
+    model_b, _ = load_model(args.ckpt_b, args.device)
     if model_a.cfg.vocab_size != model_b.cfg.vocab_size:
         raise SystemExit(f"vocab sizes differ ({model_a.cfg.vocab_size} vs {model_b.cfg.vocab_size}): "
                          "per-token comparison needs two models on the same tokenizer")
@@ -589,7 +591,7 @@ def run_tokens(args):
                "loss_a": float(-logp_a.mean()), "loss_b": float(-logp_b.mean())}
     result = {"analysis": "tokens", "ckpt_a": args.ckpt_a, "ckpt_b": args.ckpt_b, "summary": summary, "rows": rows}
     if args.plot:
-        plot_buckets(rows, args.plot, "A", "B")
+        plot_buckets(rows, args.plot, os.path.basename(args.ckpt_a.rstrip("/")), os.path.basename(args.ckpt_b.rstrip("/")))
         result["plots"] = [args.plot]
     return result
 

@@ -632,6 +632,7 @@ def test_bench_anchor_end_to_end(tmp_path, anchor_data):
     assert held["split"] == "heldout" and held["inferential"] + held["symmetric"] + held["other"] == pytest.approx(1)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(__import__("importlib").util.find_spec("matplotlib") is None,
                     reason="matplotlib is an optional dependency of eval.py plots")
 def test_plots_are_written(tmp_path, text_data):
