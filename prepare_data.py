@@ -32,6 +32,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import shlex
 import shutil
 import struct
 import sys
@@ -267,8 +268,8 @@ def clear_outputs(out_dir):
             os.remove(path)
 
 
-def write_meta(out_dir, meta):
-    meta = {"format_version": FORMAT_VERSION, **meta, "command": " ".join(sys.argv),
+def write_meta(out_dir, meta, invocation):
+    meta = {"format_version": FORMAT_VERSION, **meta, "command": invocation,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     atomic_write_bytes(os.path.join(out_dir, "meta.json"), [json.dumps(meta, indent=1).encode()])
     return meta
@@ -418,7 +419,10 @@ class Source:
 def parse_count(text):
     """'2_000', '5M', '1.5B' -> int."""
     scale = {"K": 10**3, "M": 10**6, "B": 10**9}.get(text[-1:].upper(), 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
+    try:
+        return int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        raise ValueError(f"bad token count {text!r}: use a number with an optional K/M/B suffix, e.g. 500M") from None
 
 
 def parse_source(spec):
@@ -656,8 +660,7 @@ def prepare_text(args):
         if s.path.startswith("hf:") and s.max_tokens is None and args.max_tokens is None:
             raise ValueError(f"source {s.name} streams from the hub: give it max_tokens=N or set --max-tokens")
     enc = get_tokenizer(args.tokenizer, args.tokenizer_dir)
-    max_tokens = parse_count(args.max_tokens) if args.max_tokens else None
-    settings = {"sources": [asdict(s) for s in sources], "tokenizer": args.tokenizer, "max_tokens": max_tokens,
+    settings = {"sources": [asdict(s) for s in sources], "tokenizer": args.tokenizer, "max_tokens": args.max_tokens,
                 "val_fraction": args.val_fraction, "seed": args.seed, "shard_tokens": args.shard_tokens}
     os.makedirs(args.out, exist_ok=True)
     if os.path.exists(os.path.join(args.out, "meta.json")) and not args.force:
@@ -675,7 +678,7 @@ def prepare_text(args):
     caches, timings = [], []
     with multiprocessing.Pool(args.workers, init_worker, (args.tokenizer, args.tokenizer_dir)) as pool:
         for s, weight in zip(sources, normalized_weights(sources)):
-            caps = [c for c in (s.max_tokens, max_tokens and int(round(weight * max_tokens))) if c]
+            caps = [c for c in (s.max_tokens, args.max_tokens and int(round(weight * args.max_tokens))) if c]
             fingerprint = {"source": asdict(s), "tokenizer": args.tokenizer, "cap": min(caps, default=None)}
             *cache, steady = tokenize_source(s, pool, args.workers, cache_dir, fingerprint["cap"], dtype, fingerprint)
             caches.append(cache)
@@ -685,7 +688,7 @@ def prepare_text(args):
     # 2) mix by token weights, split by documents, write shards
     # the last batch read overshoots a source's own max_tokens: the budget, not the read, counts
     available = [min(len(t), s.max_tokens or len(t)) for s, (t, _) in zip(sources, caches)]
-    quotas = mixture_quotas(sources, available, max_tokens)
+    quotas = mixture_quotas(sources, available, args.max_tokens)
     split_docs = {"train": [], "val": []}
     stats = {}
     for i, (s, (_, lengths), quota) in enumerate(zip(sources, caches, quotas)):
@@ -714,7 +717,7 @@ def prepare_text(args):
         "throughput": {"tokenize_tok_per_s": sum(len(t) for t, _ in caches) / tokenize_seconds,
                        "tokenize_steady_tok_per_s": sum(n for n, _ in timings) / max(sum(s for _, s in timings), 1e-9),
                        "total_tok_per_s": total / seconds, "seconds": seconds, "workers": args.workers},
-    })
+    }, args.invocation)
     shutil.rmtree(cache_dir)
     sizes = ", ".join(f"{k} {v['tokens']:,}" for k, v in splits.items())
     print(f"wrote {total:,} tokens ({sizes}) to "
@@ -815,7 +818,7 @@ def check_anchor_task(task):
         raise ValueError("test_key_fraction must leave at least one train key and one test key")
 
 
-def prepare_anchor(task, out_dir):
+def prepare_anchor(task, out_dir, invocation):
     """Splits: train (train keys, seen pairs), val (fresh samples of the same), test (test keys,
     seen pairs), heldout (the held-out pair on all keys; its stored target is the composite,
     i.e. the inferential answer). Loss only on the last token of each record."""
@@ -845,7 +848,7 @@ def prepare_anchor(task, out_dir):
         "sources": [f"pair_{a}_{b}" for a, b in PAIRS.tolist()], "record_len": record_len, "splits": splits,
         "anchor": {**asdict(task), "shifts": ANCHOR_SHIFTS, "train_keys": train_keys.tolist(),
                    "test_keys": test_keys.tolist()},
-    })
+    }, invocation)
     print(f"anchor task in {out_dir}: " + ", ".join(f"{k} {v['records']:,}" for k, v in splits.items())
           + f" records of {record_len} tokens, vocab {vocab_size}")
     return meta
@@ -902,14 +905,14 @@ def add_text_arguments(p):
     # None: tiktoken downloads (or finds its cache); offline clusters point this at the published files
     p.add_argument("--tokenizer-dir", help="folder with the published tokenizer files (sha256 checked)")
     # None: take all local data the weights allow; hub sources need a budget
-    p.add_argument("--max-tokens", help="total token budget of the mixture (e.g. 500M, 2B)")
+    p.add_argument("--max-tokens", type=parse_count, help="total token budget of the mixture (e.g. 500M, 2B)")
     # 2%: a stable val loss on a few-MB corpus; lower it for large corpora
     p.add_argument("--val-fraction", type=float, default=0.02, help="share of each source's tokens held out by document")
     p.add_argument("--seed", type=int, default=0, help="fixes document selection, val split and order")
     # one tokenizer process per usable core: tokenization is CPU-bound
-    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="tokenizer processes")
     # 100M tokens (200 MB as uint16): few files, each cheap to map, as in nanoGPT/llm.c FineWeb shards
-    p.add_argument("--shard-tokens", type=parse_count, default=100_000_000)
+    p.add_argument("--shard-tokens", type=parse_count, default=100_000_000, help="tokens per shard file")
 
 
 def main(argv=None):
@@ -936,9 +939,10 @@ def main(argv=None):
     p.add_argument("--mirror-shift", type=int, default=d.mirror_shift, help="rule trained on the mirror pair B,A")
     p.add_argument("--n-train", type=int, default=d.n_train, help="training records")
     p.add_argument("--n-eval", type=int, default=d.n_eval, help="records per evaluation split")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="same seed, same bytes")
 
     args = parser.parse_args(argv)
+    args.invocation = shlex.join(["python", "prepare_data.py", *(sys.argv[1:] if argv is None else argv)])
     try:
         if args.command == "text":
             prepare_text(args)
@@ -946,7 +950,7 @@ def main(argv=None):
             benchmark(args)
         else:
             fields = {k: getattr(args, k) for k in AnchorTask.__dataclass_fields__}
-            prepare_anchor(AnchorTask(**fields), args.out)
+            prepare_anchor(AnchorTask(**fields), args.out, args.invocation)
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise SystemExit(f"error: {e.args[0] if e.args else e}") from None
 

@@ -478,9 +478,9 @@ def test_anchor_same_seed_same_bytes(anchor_dir, tmp_path):
 
 def test_anchor_bad_parameters():
     with pytest.raises(ValueError, match="above the anchor tokens"):
-        P.prepare_anchor(P.AnchorTask(fillers=(0, 99)), "unused")
+        P.prepare_anchor(P.AnchorTask(fillers=(0, 99)), "unused", "")
     with pytest.raises(ValueError, match="below token 0"):
-        P.prepare_anchor(P.AnchorTask(keys=(10, 99), fillers=(10, 99)), "unused")
+        P.prepare_anchor(P.AnchorTask(keys=(10, 99), fillers=(10, 99)), "unused", "")
     assert P.anchor_vocab(P.AnchorTask()) == (128, 110)  # targets reach 109
 
 
