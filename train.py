@@ -389,13 +389,12 @@ def weight_structure(net, names):
 @torch.no_grad()
 def evaluate(net, cfg, rank, world, device):
     """Token-weighted validation loss over eval_batches fixed global batches (same every time)."""
-    from prepare_data import TokenLoader
-    loader = TokenLoader(cfg["data_dir"], "val", cfg["global_batch"], cfg["seq_len"], seed=cfg["seed"])
+    loader = open_loader(cfg, "val", rank, world)
     total = torch.zeros(2, device=device)
     net.eval()
     for _ in range(cfg["eval_batches"]):
         x, y = loader.next_batch()
-        for xb, yb in micro_batches(x, y, cfg["batch_size"], rank, world):
+        for xb, yb in zip(x.split(cfg["batch_size"]), y.split(cfg["batch_size"])):
             _, loss = net(xb.to(device), yb.to(device))
             n = (yb != -1).sum()
             if n:
@@ -405,10 +404,17 @@ def evaluate(net, cfg, rank, world, device):
     return (total[0] / total[1]).item()
 
 
-def micro_batches(x, y, batch_size, rank, world):
-    """Rank r's rows of each micro-step: micro-step m holds rows [m*world*B, (m+1)*world*B)."""
-    for start in range(rank * batch_size, x.shape[0], world * batch_size):
-        yield x[start:start + batch_size], y[start:start + batch_size]
+def open_loader(cfg, split, rank, world):
+    """This rank's share of each global batch: grad_accum micro-batches. The loader's position
+    counts windows of the global order, so the data order depends only on (seed, global_batch),
+    never on the world size or micro-batch size: resuming on another world size, 1 vs N ranks
+    and 1x4 vs 4x1 accumulation all see the same tokens in each step."""
+    from prepare_data import TokenLoader
+    try:
+        return TokenLoader(cfg["data_dir"], split, cfg["global_batch"] // world, cfg["seq_len"],
+                           rank=rank, world_size=world, seed=cfg["seed"])
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"data: {e}")
 
 
 # ----------------------------------------------------------------------------- main
@@ -430,7 +436,7 @@ def print_plan(cfg, world):
           f"{counts['embedding']:,} embedding); {mcfg.n_layer} layers, d_model {mcfg.d_model}, "
           f"{mcfg.n_head} heads, gate {mcfg.attn_gate}, norm_eps {mcfg.norm_eps:g}, gamma {cfg['gamma']}")
     print(f"world {world}: batch {cfg['batch_size']} x {cfg['seq_len']} per rank, grad_accum {accum}, "
-          f"{tokens_step:,} tokens/step, {cfg['max_steps']:,} steps = {tokens_step * cfg['max_steps'] / 1e9:.3g}B tokens")
+          f"{tokens_step:,} tokens/step, {cfg['max_steps']:,} steps = {tokens_step * cfg['max_steps']:,} tokens")
     print(f"FLOPs/token {fpt:.4g}; total {fpt * tokens_step * cfg['max_steps']:.3g} FLOPs")
     for part, b in mem.items():
         print(f"  {part:<36} {b / 2**30:8.2f} GiB")
@@ -440,18 +446,20 @@ def print_plan(cfg, world):
 
 
 def train(cfg):
-    from prepare_data import TokenLoader, load_meta
+    from prepare_data import check_model_vocab
     rank, world, device = setup_distributed()
     torch.manual_seed(cfg["seed"])
     accum = grad_accum(cfg, world)
-    data_meta = load_meta(cfg["data_dir"])
     mcfg = model_config(cfg, device.type)
-    if mcfg.vocab_size < data_meta["vocab_size"]:
-        raise SystemExit(f"model vocab_size={mcfg.vocab_size} < data vocab_size={data_meta['vocab_size']} "
-                         f"({cfg['data_dir']}): pick a model size for tokenizer {data_meta['tokenizer']!r}")
-    if "record_len" in data_meta and cfg["seq_len"] != data_meta["record_len"] - 1:
-        raise SystemExit(f"config: seq_len={cfg['seq_len']} but {cfg['data_dir']} holds records of "
-                         f"{data_meta['record_len']} tokens: set seq_len={data_meta['record_len'] - 1}")
+    loader = open_loader(cfg, "train", rank, world)
+    data_meta = loader.meta
+    try:
+        check_model_vocab(data_meta, mcfg.vocab_size)
+    except ValueError as e:
+        raise SystemExit(f"data: {e}")
+    if mcfg.doc_mask and mcfg.eot_id != data_meta["eot_id"]:
+        raise SystemExit(f"config: model.eot_id={mcfg.eot_id} but {cfg['data_dir']} ends documents with "
+                         f"{data_meta['eot_id']}: set --model.eot_id={data_meta['eot_id']}")
     out = cfg["out_dir"]
     done = checkpoints(out)
     if done and not cfg["resume"]:
@@ -459,12 +467,10 @@ def train(cfg):
                          f"pass --resume=True or choose another out_dir")
     net, init_report = build_model(cfg, mcfg, device)
     opt = make_optimizer(net, cfg, device)
-    # Every rank reads the whole global batch and keeps its rows, so the data order depends
-    # only on (seed, global_batch), never on the world size or micro-batch size: resuming on
-    # another world size, 1 vs N ranks and 1x4 vs 4x1 accumulation all see the same tokens.
-    loader = TokenLoader(cfg["data_dir"], "train", cfg["global_batch"], cfg["seq_len"], seed=cfg["seed"])
-    track = [n.format(last=mcfg.n_layer - 1) for n in cfg["track_weights"]]
     names = dict(net.named_parameters())
+    # MoE expert weights are bare (E, d_in, d_out) parameters: "mlp.w_up.weight" -> "mlp.w_up"
+    track = [n if n in names else n.removesuffix(".weight")
+             for n in (n.format(last=mcfg.n_layer - 1) for n in cfg["track_weights"])]
     for n in track:
         if n not in names:
             raise _unknown(n, names, "track_weights")
@@ -517,9 +523,10 @@ def train(cfg):
             group["lr"] = lr
             group["weight_decay"] = cfg["weight_decay"][group["name"]]  # config wins over a checkpoint's
         x, y = loader.next_batch()
-        n_total = (y != -1).sum()
+        n_total = (y != -1).sum().to(device)
+        dist.all_reduce(n_total)  # loss tokens in the global batch
         loss_sum = torch.zeros((), device=device)
-        for m, (xb, yb) in enumerate(micro_batches(x, y, cfg["batch_size"], rank, world)):
+        for m, (xb, yb) in enumerate(zip(x.split(cfg["batch_size"]), y.split(cfg["batch_size"]))):
             # FSDP2: reduce-scatter gradients only after the last micro-step.
             net.set_requires_gradient_sync(m == accum - 1)
             _, loss = net(xb.to(device, non_blocking=True), yb.to(device, non_blocking=True))
@@ -528,7 +535,7 @@ def train(cfg):
             # Weight by this micro-batch's share of the global batch's loss tokens: the update is
             # then the gradient of the global token mean for any split. FSDP averages over ranks,
             # so undo that division with * world.
-            share = (yb != -1).sum() / n_total
+            share = (yb != -1).sum().to(device) / n_total
             (loss * share * world).backward()
             loss_sum += loss.detach() * share
         dist.all_reduce(loss_sum)
