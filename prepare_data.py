@@ -357,24 +357,20 @@ class TokenLoader:
         start = self.pos + self.rank * self.batch_size
         windows = self.order()[start:start + self.batch_size]
         self.pos += global_batch
-        rows = [self.window(int(w)) for w in windows]
-        x = torch.from_numpy(np.stack([r[0] for r in rows]))
-        y = torch.from_numpy(np.stack([r[1] for r in rows]))
+        x, y, src = (np.empty((len(windows), self.seq_len), np.int64) for _ in range(3))
+        shard_of = np.searchsorted(self.first_window, windows, side="right") - 1
+        for s in np.unique(shard_of):  # one gather per shard: a batch of tiny records costs one call
+            rows, shard = shard_of == s, self.shards[s]
+            positions = (windows[rows] - self.first_window[s])[:, None] * self.stride + np.arange(self.seq_len + 1)
+            chunk = shard.tokens[positions].astype(np.int64)
+            targets = positions[:, 1:]
+            x[rows] = chunk[:, :-1]
+            y[rows] = chunk[:, 1:] if shard.mask is None else np.where(shard.mask[targets] == 1, chunk[:, 1:], -1)
+            # the source of each target token: the document it lies in (a doc's eot belongs to it)
+            src[rows] = shard.docs[np.searchsorted(shard.docs[:, 0], targets, side="right") - 1, 1]
         if with_sources:
-            return x, y, torch.from_numpy(np.stack([r[2] for r in rows]))
-        return x, y
-
-    def window(self, w):
-        s = int(np.searchsorted(self.first_window, w, side="right")) - 1
-        shard = self.shards[s]
-        start = (w - int(self.first_window[s])) * self.stride
-        chunk = np.asarray(shard.tokens[start:start + self.seq_len + 1], dtype=np.int64)
-        x, y = chunk[:-1], chunk[1:].copy()
-        if shard.mask is not None:
-            y[shard.mask[start + 1:start + self.seq_len + 1] == 0] = -1
-        # the source of each target token: the document it lies in (a doc's eot belongs to it)
-        doc = np.searchsorted(shard.docs[:, 0], np.arange(start + 1, start + self.seq_len + 1), side="right") - 1
-        return x, y, np.asarray(shard.docs[doc, 1], dtype=np.int64)
+            return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(src)
+        return torch.from_numpy(x), torch.from_numpy(y)
 
     def state_dict(self):
         return {"epoch": self.epoch, "pos": self.pos, "n_windows": self.n_windows}
