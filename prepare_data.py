@@ -5,7 +5,7 @@ anchor-function task (the synthetic default dataset of the quickstart).
     python prepare_data.py anchor --out data/anchor
     python prepare_data.py text --out data/en --source en=corpus/en --tokenizer bytes
     python prepare_data.py text --out data/bi --tokenizer gpt2 --tokenizer-dir tokenizers \\
-        --source en=corpus/en,weight=0.5 --source zh=corpus/zh/*.txt,weight=0.5
+        --source en=corpus/en,weight=0.5 --source 'zh=corpus/zh/*/*.txt,weight=0.5'
     python prepare_data.py text --out data/fw --tokenizer gpt2 --max-tokens 1B \\
         --source fw=hf:HuggingFaceFW/fineweb-edu,config=sample-10BT
     python prepare_data.py bench --source en=corpus/en --tokenizer gpt2 --tokenizer-dir tokenizers
@@ -912,7 +912,8 @@ def add_text_arguments(p):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    parser = argparse.ArgumentParser(description="\n\n".join(__doc__.strip().split("\n\n")[:2]),  # title + examples
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
     p = commands.add_parser("text", help="tokenize text sources into shards")
