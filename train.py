@@ -315,7 +315,7 @@ def export(ckpt_dir, out_file):
         net = GPT(GPTConfig(**meta["model_config"]))
     net.to_empty(device="cpu")
     state = {"model": net.state_dict()}
-    dcp.load(state, checkpoint_id=ckpt_dir)  # without a process group DCP reads every shard
+    dcp.load(state, checkpoint_id=ckpt_dir, no_dist=True)  # one process reads every rank's shards
     payload = {"model": state["model"], **{k: meta[k] for k in ("model_config", "config", "step", "data_meta")}}
     tmp = out_file + ".tmp"
     torch.save(payload, tmp)

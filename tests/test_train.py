@@ -1,0 +1,292 @@
+"""train.py: config system, schedules, shipped configs (dry run), and real CPU training runs:
+loss falls, grad accumulation and 2-rank FSDP2 match one process, exact resume after SIGKILL,
+resume on another world size, compile matches eager, NaN guard, export."""
+import glob
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import train
+from model import GPT, GPTConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A tiny model and batch: each run is dominated by process start-up (~3 s).
+TINY = ["--model_size=tiny", "--seq_len=32", "--global_batch=4", "--batch_size=4", "--warmup_steps=2", "--lr=3e-3",
+        "--log_interval=1", "--eval_interval=5", "--eval_batches=1"]
+
+
+# ----------------------------------------------------------------------------- helpers
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A byte-level dataset made by prepare_data.py from generated text (word salad with
+    structure, so a tiny model's loss falls fast)."""
+    root = tmp_path_factory.mktemp("data")
+    rng = random.Random(0)
+    words = "the cat sat on a mat and dog ran to big red house with small green tree".split()
+    text = "\n\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(20, 60))) + "."
+                       for _ in range(600))
+    os.makedirs(root / "txt")
+    (root / "txt" / "corpus.txt").write_text(text)
+    out = root / "bytes"
+    subprocess.run([sys.executable, "prepare_data.py", "text", "--out", str(out), "--source",
+                    f"en={root / 'txt'}", "--tokenizer", "bytes"], cwd=ROOT, check=True,
+                   capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return str(out)
+
+
+def command(args, nproc):
+    if nproc == 1:
+        return [sys.executable, "train.py", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "train.py", *args]
+
+
+def run_train(args, nproc=1, ok=True):
+    p = subprocess.run(command(args, nproc), cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if ok:
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
+def rows(out_dir, field):
+    """{step: value} of one metrics.jsonl field; a step may appear only once."""
+    found = {}
+    for line in open(os.path.join(out_dir, "metrics.jsonl")):
+        row = json.loads(line)
+        if field in row:
+            assert row["step"] not in found, f"step {row['step']} logged twice"
+            found[row["step"]] = row[field]
+    return found
+
+
+def load_export(path):
+    blob = torch.load(path, weights_only=False)
+    net = GPT(GPTConfig(**blob["model_config"]))
+    net.load_state_dict(blob["model"])  # strict: clean names, nothing missing
+    return blob, net
+
+
+# ----------------------------------------------------------------------------- config system
+def test_config_defaults_files_and_overrides(tmp_path):
+    cfg_file = tmp_path / "c.py"
+    cfg_file.write_text("import math\n_half = 0.5\nlr = 2e-3 * _half\nmodel = dict(norm_eps=1e-5)\n")
+    cfg = train.load_config([str(cfg_file), "--max_steps=500", "--out_dir=out/x", "--model.attn_gate=none",
+                             "--weight_decay.matrix=0.3", "--compile", "--betas=(0.9, 0.99)"])
+    assert cfg["lr"] == 1e-3 and cfg["max_steps"] == 500 and cfg["out_dir"] == "out/x"
+    assert cfg["model"] == {"norm_eps": 1e-5, "attn_gate": "none"}  # dotted key merges
+    assert cfg["weight_decay"] == {"matrix": 0.3, "embed": 0.0, "norm": 0.0}
+    assert cfg["compile"] is True and cfg["betas"] == (0.9, 0.99)
+    assert train.load_config(["--lr=1"])["lr"] == 1.0  # an int where a float is expected is fine
+    assert train.load_config([])["lr"] == train.DEFAULTS["lr"]  # defaults are not mutated
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lrr=1e-3"], "unknown key 'lrr' in the command line; did you mean 'lr'?"),
+    (["--lr=fast"], "lr='fast' is a str, expected a float"),
+    (["--max_steps=1.5"], "max_steps=1.5 is a float, expected a int"),
+    (["--compile=1"], "compile=1 is a int, expected a bool"),
+    (["--weight_decay.matrx=0.3"], "did you mean 'weight_decay.matrix'"),
+    (["--lr.x=1"], "lr is not a dict setting"),
+    (["--schedule=linear"], "schedule='linear'"),
+    (["--model.n_heads=3"], "n_heads"),
+    (["--model_size=2b"], "unknown model size '2b'"),
+    (["--model.d_model=100", "--model.n_head=3"], "divisible"),
+    (["--warmup_steps=10", "--max_steps=10"], "warmup_steps=10 must be < max_steps=10"),
+    (["no_such_config.py"], "no such config file"),
+])
+def test_config_errors(args, message):
+    with pytest.raises(SystemExit) as e:
+        train.load_config(args)
+    assert message in str(e.value)
+
+
+def test_config_file_errors_name_the_file_and_key(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("max_step = 10\n")
+    with pytest.raises(SystemExit, match=r"unknown key 'max_step' in .*bad.py; did you mean 'max_steps'"):
+        train.load_config([str(bad)])
+    with pytest.raises(SystemExit, match="global_batch=32 is not a multiple of batch_size\\*world_size=32\\*3"):
+        train.grad_accum(train.load_config([]), 3)
+
+
+def test_schedules_by_hand():
+    cfg = train.load_config(["--lr=1.0", "--min_lr_ratio=0.1", "--warmup_steps=10", "--max_steps=110"])
+    lr = [train.lr_at(cfg, s) for s in range(110)]
+    assert lr[0] == pytest.approx(0.1) and lr[9] == pytest.approx(1.0)      # linear warmup to the peak
+    assert lr[10] == pytest.approx(1.0) and lr[-1] == pytest.approx(0.1)    # cosine from peak to the floor
+    assert lr[10 + 99 // 2] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 49 / 99)))
+    cfg = train.load_config(["--lr=1.0", "--min_lr_ratio=0.0", "--warmup_steps=10", "--max_steps=110",
+                             "--schedule=wsd", "--decay_frac=0.2"])
+    lr = [train.lr_at(cfg, s) for s in range(110)]
+    assert lr[10:88] == [1.0] * 78                              # stable until the last 22 steps
+    assert lr[88] == pytest.approx(1 - 1 / 22) and lr[-1] == pytest.approx(0.0)
+
+
+# ----------------------------------------------------------------------------- shipped configs
+def expected_params(c):
+    """Parameter count from the architecture by hand, independent of model.num_params()."""
+    d, hd = c.d_model, c.head_dim
+    attn = d * c.n_head * hd * 2 + 2 * d * c.n_kv_head * hd + {"elementwise": d * c.n_head * hd,
+                                                               "headwise": d * c.n_head, "none": 0}[c.attn_gate]
+    mats = 3 if c.mlp == "swiglu" else 2
+    mlp = c.n_experts * (mats * d * c.d_expert + d) if c.n_experts else mats * d * c.d_ff
+    return c.vocab_size * d * (1 if c.tie_embeddings else 2) + c.n_layer * (attn + mlp + 2 * d) + d
+
+
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "config", "[!_]*.py")))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_shipped_config_dry_run(path, capsys):
+    cfg = train.load_config([path])
+    cpu_config = os.path.basename(path).startswith(("anchor_", "tiny_"))
+    plan = train.print_plan(cfg, 1 if cpu_config else 8)
+    mcfg = train.model_config(cfg, "cuda")
+    assert plan["params"]["total"] == expected_params(mcfg)
+    assert plan["tokens_per_step"] == cfg["global_batch"] * cfg["seq_len"]
+    assert "FLOPs/token" in capsys.readouterr().out
+    if not cpu_config:  # sized for one node of 80 GB GPUs
+        assert plan["memory_bytes"] < 70 * 2**30
+        assert mcfg.max_seq_len >= cfg["seq_len"] and mcfg.attn_backend == "flex"
+
+
+def test_config_pairs_differ_only_in_the_recipe():
+    for path in glob.glob(os.path.join(ROOT, "config", "*gamma1*.py")):
+        a = train.load_config([path])
+        b = train.load_config([path.replace("gamma1", "gamma05")])
+        assert (a["gamma"], a["model"]["norm_eps"], a["model"]["attn_gate"]) == (1.0, 1e-12, "elementwise")
+        assert (b["gamma"], b["model"]["norm_eps"], b["model"]["attn_gate"]) == (0.5, 1e-5, "none")
+        for cfg in (a, b):
+            del cfg["gamma"], cfg["model"]["norm_eps"], cfg["model"]["attn_gate"], cfg["out_dir"]
+        assert a == b, path
+
+
+# ----------------------------------------------------------------------------- training runs
+@pytest.mark.slow
+def test_loss_falls(data_dir, tmp_path):
+    out = str(tmp_path / "run")
+    run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=60", "--seq_len=64",
+               "--global_batch=16", "--batch_size=16", "--eval_interval=60", "--eval_batches=2"])
+    loss, val = rows(out, "loss"), rows(out, "val_loss")
+    assert sorted(loss) == list(range(1, 61))
+    assert sum(loss[s] for s in range(56, 61)) / 5 < loss[1] - 1.5   # bytes: ~5.5 -> well under 4
+    assert val[60] < val[0] - 1.5
+
+
+@pytest.fixture(scope="module")
+def moe_runs(data_dir, tmp_path_factory):
+    """The same MoE training (bias-balanced routing, so counts must be summed over ranks) as
+    1 process x 1 micro-batch of 4, 1 process x 4 micro-batches of 1, 2 ranks x 1 x 2."""
+    root = tmp_path_factory.mktemp("moe")
+    base = [*TINY, f"--data_dir={data_dir}", "--max_steps=10", "--ckpt_interval=5",
+            "--model={'n_experts': 4, 'top_k': 2, 'moe_bias_rate': 0.05}"]
+    runs = {"1x4": (1, 4), "4x1": (1, 1), "fsdp2": (2, 2)}
+    for name, (nproc, batch) in runs.items():
+        run_train([*base, f"--out_dir={root / name}", f"--batch_size={batch}"], nproc=nproc)
+    return root, base
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["4x1", "fsdp2"])
+def test_accumulation_and_fsdp_match_one_process(moe_runs, name):
+    root, _ = moe_runs
+    ref, got = rows(root / "1x4", "loss"), rows(root / name, "loss")
+    assert sorted(ref) == sorted(got) == list(range(1, 11))
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], abs=1e-5), step
+    assert rows(root / name, "val_loss")[10] == pytest.approx(rows(root / "1x4", "val_loss")[10], abs=1e-5)
+    loads = rows(root / name, "expert_load")
+    assert len(loads[10]) == 2 and all(sum(layer) == pytest.approx(4) for layer in loads[10])
+
+
+@pytest.mark.slow
+def test_export_of_sharded_checkpoint_matches_single_process(moe_runs, tmp_path):
+    root, _ = moe_runs
+    exported = {}
+    for name in ("1x4", "fsdp2"):
+        path = str(tmp_path / f"{name}.pt")
+        train.export(str(root / name / "ckpt_00000010"), path)  # in this process: no process group
+        exported[name] = load_export(path)
+    (blob1, net1), (blob2, net2) = exported["1x4"], exported["fsdp2"]
+    assert blob1["step"] == blob2["step"] == 10 and blob2["config"]["batch_size"] == 2
+    assert blob1["data_meta"]["tokenizer"] == "bytes"
+    sd1, sd2 = net1.state_dict(), net2.state_dict()
+    assert sd1.keys() == sd2.keys()
+    for k in sd1:
+        torch.testing.assert_close(sd1[k], sd2[k], atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_resume_on_another_world_size(moe_runs, tmp_path):
+    root, base = moe_runs
+    out = tmp_path / "resume2"
+    os.makedirs(out)
+    shutil.copytree(root / "1x4" / "ckpt_00000005", out / "ckpt_00000005")
+    p = run_train([*base, f"--out_dir={out}", "--batch_size=2"], nproc=2)
+    assert "world size 1 -> 2" in p.stdout and "data order is unchanged" in p.stdout
+    ref, got = rows(root / "1x4", "loss"), rows(out, "loss")
+    assert sorted(got) == list(range(6, 11))
+    for step in got:
+        assert got[step] == pytest.approx(ref[step], abs=1e-5), step
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_is_bitwise_exact(data_dir, tmp_path):
+    args = [*TINY, f"--data_dir={data_dir}", "--max_steps=150", "--ckpt_interval=10", "--eval_interval=25"]
+    ref = str(tmp_path / "ref")
+    run_train([*args, f"--out_dir={ref}"])
+    out = str(tmp_path / "killed")
+    proc = subprocess.Popen(command([*args, f"--out_dir={out}"], 1), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while not os.path.exists(os.path.join(out, "ckpt_00000020")) and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    done = train.checkpoints(out)
+    assert done and not done[-1].endswith("ckpt_00000150"), "the run finished before it was killed"
+    os.makedirs(os.path.join(out, "ckpt_99999999"))  # incomplete (no meta.json): must be ignored
+    p = run_train([*args, f"--out_dir={out}"])
+    assert f"resumed from {done[-1]}" in p.stdout
+    for field in ("loss", "grad_norm", "val_loss"):
+        assert rows(out, field) == rows(ref, field), field  # every step, bitwise
+
+
+@pytest.mark.slow
+def test_compiled_run_matches_eager(data_dir, tmp_path):
+    args = [*TINY, f"--data_dir={data_dir}", "--max_steps=6", "--ckpt_interval=6"]
+    run_train([*args, f"--out_dir={tmp_path / 'eager'}"])
+    run_train([*args, f"--out_dir={tmp_path / 'compiled'}", "--compile=True"])
+    eager, compiled = rows(tmp_path / "eager", "loss"), rows(tmp_path / "compiled", "loss")
+    assert sorted(compiled) == list(range(1, 7))
+    for step in eager:
+        assert compiled[step] == pytest.approx(eager[step], rel=1e-4), step
+
+
+@pytest.mark.slow
+def test_nan_guard_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
+    out = str(tmp_path / "nan")
+    p = run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=12",
+                   "--ckpt_interval=5", "--debug_nan_step=8"], ok=False)
+    assert p.returncode != 0
+    last = os.path.join(out, "ckpt_00000005")
+    assert "non-finite loss nan" in p.stderr and "at step 8" in p.stderr and last in p.stderr
+    assert train.checkpoints(out) == [last]
+    assert max(rows(out, "loss")) == 7  # nothing logged for the poisoned step
+    path = str(tmp_path / "last.pt")
+    subprocess.run([sys.executable, "train.py", "export", last, path], cwd=ROOT, check=True, capture_output=True)
+    blob, net = load_export(path)
+    assert blob["step"] == 5 and all(torch.isfinite(v).all() for v in blob["model"].values())
+    # the run continues from the intact checkpoint once the cause is gone
+    run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=12", "--ckpt_interval=5"])
+    assert max(rows(out, "loss")) == 12
