@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from init import format_report
 from model import GPT, GPTConfig, config_for, init_model_
+from prepare_data import TokenLoader, check_model_vocab
 
 # ----------------------------------------------------------------------------- defaults
 # run folder and data
@@ -335,12 +336,13 @@ def read_json(path):
 
 
 # ----------------------------------------------------------------------------- measurement
-def memory_estimate(net, mcfg, cfg, world, accum, device_type="cuda"):
-    """Bytes per GPU, roughly: sharded fp32 state + gathered bf16 blocks + activations + logits."""
+def memory_estimate(net, mcfg, cfg, world, accum):
+    """Bytes per GPU on CUDA (bf16 compute), roughly: sharded fp32 state + gathered blocks +
+    activations + logits."""
     n = sum(p.numel() for p in net.parameters())
     embed = sum(p.numel() for name, p in net.named_parameters() if name.startswith(("tok_emb.", "lm_head.")))
     per_block = (n - embed) / mcfg.n_layer
-    act = 2 if device_type == "cuda" else 4  # bytes per activation value
+    act = 2  # bytes per bf16 activation value
     tokens = cfg["batch_size"] * cfg["seq_len"]
     parts = {
         "params+grads+adam (fp32, sharded)": 16 * n / world,
@@ -409,7 +411,6 @@ def open_loader(cfg, split, rank, world):
     counts windows of the global order, so the data order depends only on (seed, global_batch),
     never on the world size or micro-batch size: resuming on another world size, 1 vs N ranks
     and 1x4 vs 4x1 accumulation all see the same tokens in each step."""
-    from prepare_data import TokenLoader
     try:
         return TokenLoader(cfg["data_dir"], split, cfg["global_batch"] // world, cfg["seq_len"],
                            rank=rank, world_size=world, seed=cfg["seed"])
@@ -446,7 +447,6 @@ def print_plan(cfg, world):
 
 
 def train(cfg):
-    from prepare_data import check_model_vocab
     rank, world, device = setup_distributed()
     torch.manual_seed(cfg["seed"])
     accum = grad_accum(cfg, world)
@@ -475,7 +475,7 @@ def train(cfg):
         if n not in names:
             raise _unknown(n, names, "track_weights")
     step = 0
-    if rank == 0:
+    if rank == 0:  # multi-node: out_dir must be on a filesystem every node sees (rank 0 renames)
         os.makedirs(out, exist_ok=True)
         for stale in glob.glob(os.path.join(out, "tmp_ckpt_*")):
             shutil.rmtree(stale)  # left by a run killed while saving
@@ -510,6 +510,8 @@ def train(cfg):
         record(row)
 
     peak = matmul_peak(cfg, device)
+    if not peak:
+        log0(f"MFU not reported: no known peak FLOP/s for {device.type}; set --peak_flops to a measured one")
     fpt = net.flops_per_token(cfg["seq_len"])
     tokens_step = cfg["global_batch"] * cfg["seq_len"]
     last_ckpt = done[-1] if done else None
