@@ -40,12 +40,16 @@ import torch.nn.functional as F
 # ----------------------------------------------------------------------------- output helpers
 
 def progress(items, total, label):
-    """Yield from items while printing a one-line progress bar on stderr (no tqdm dependency)."""
-    start = time.time()
+    """Yield from items while printing a one-line progress bar on stderr (no tqdm dependency),
+    redrawn at most twice a second so a log file of a long run stays readable."""
+    start = shown = time.time()
     for i, item in enumerate(items):
         yield item
         done = i + 1
-        elapsed = time.time() - start
+        now = time.time()
+        if now - shown < 0.5 and done < total:
+            continue
+        shown, elapsed = now, now - start
         eta = elapsed / done * (total - done)
         bar = "#" * int(20 * done / total)
         end = "\n" if done >= total else ""
@@ -61,11 +65,12 @@ def fmt(value):
     return str(value)
 
 
-def format_table(rows, columns=None, markdown=False):
-    """Rows of dicts as an aligned console table, or as a markdown table for the README."""
+def format_table(rows, markdown=False):
+    """Rows of dicts as an aligned console table, or as a markdown table for the README.
+    Columns: every key that any row has, in order of first appearance."""
     if not rows:
         return "(no rows)"
-    columns = columns or list(rows[0])
+    columns = list(dict.fromkeys(k for row in rows for k in row))
     cells = [[fmt(row.get(c)) for c in columns] for row in rows]
     if markdown:
         lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -654,8 +659,12 @@ def run_weights(args):
         rows = weight_stats(state, args.threshold, args.max_rows)
         series.append({"ckpt": path, "step": info.get("step"), "rows": rows, "by_kind": mean_by_kind(rows)})
     last = series[-1]
-    if args.heatmap:
-        plot_cosine_heatmap(state[args.heatmap_matrix], args.heatmap, f"{args.heatmap_matrix} row cosine")
+    if args.heatmap:  # of the last checkpoint, whose parameters `state` still holds
+        matrices = dict(weight_matrices(state))
+        if args.heatmap_matrix not in matrices:
+            raise SystemExit(f"--heatmap-matrix {args.heatmap_matrix!r} is not a weight matrix; "
+                             f"choose one of: {', '.join(list(matrices)[:6])}, ...")
+        plot_cosine_heatmap(matrices[args.heatmap_matrix], args.heatmap, f"{args.heatmap_matrix} row cosine")
     summary = {"checkpoints": len(series), "step": last["step"],
                **{f"{m}": float(np.mean([r[m] for r in last["rows"]]))
                   for m in ("stable_rank", "mean_abs_cos", "frac_cos_gt")}}
@@ -672,11 +681,14 @@ def run_weights(args):
 
 
 @torch.no_grad()
-def branch_ratios(model, x):
-    """Per layer: RMS of the attention / MLP branch update over the RMS of the residual stream."""
+def branch_ratios(model, inputs):
+    """Per layer: RMS of the attention / MLP branch update over the RMS of the residual stream
+    entering the block, each RMS averaged over the forwards of all inputs."""
     from model import trace_residual
+    device = next(model.parameters()).device
     with trace_residual(model) as trace:
-        model(x)
+        for x in inputs:
+            model(x.to(device))
     return [{"layer": i, "resid_rms": float(np.mean(t["resid_rms"])),
              "attn_ratio": float(np.mean(t["attn_rms"]) / np.mean(t["resid_rms"])),
              "mlp_ratio": float(np.mean(t["mlp_rms"]) / np.mean(t["resid_rms"]))} for i, t in enumerate(trace)]
@@ -686,8 +698,7 @@ def run_residual(args):
     if not args.init:
         model, info = load_model(args.ckpt, args.device)
         _, batches = val_batches(data_dir_of(args, info), args, "residual")
-        x = next(batches)[0].to(args.device)
-        rows = branch_ratios(model, x)
+        rows = branch_ratios(model, (x for x, _, _ in batches))
         summary = {k: float(np.mean([r[k] for r in rows])) for k in ("attn_ratio", "mlp_ratio")}
         return {"analysis": "residual", "ckpt": args.ckpt, "summary": summary, "rows": rows}
     from model import GPT, config_for, init_model_
@@ -698,12 +709,15 @@ def run_residual(args):
         model = GPT(cfg)
         init_model_(model, gamma=args.gamma, seed=args.seed)
         x = torch.randint(cfg.vocab_size, (args.batch_size, args.seq_len), generator=torch.Generator().manual_seed(args.seed))
-        layers = branch_ratios(model.eval(), x)
-        rows.append({"d_model": width, **{k: float(np.mean([r[k] for r in layers])) for k in ("attn_ratio", "mlp_ratio")}})
+        layers = branch_ratios(model.eval(), [x])
+        # Block 0 sees the embedding alone, where the d^(1−γ) law is clean; later blocks see a
+        # residual already grown by earlier branches (by a width-dependent amount when γ < 1).
+        rows.append({"d_model": width, **{f"{k}_block0": layers[0][k] for k in ("attn_ratio", "mlp_ratio")},
+                     **{f"{k}_mean": float(np.mean([r[k] for r in layers])) for k in ("attn_ratio", "mlp_ratio")}})
     log_d = np.log([r["d_model"] for r in rows])
     # Theory (README): attention and gelu branches scale as d^(1−γ), SwiGLU as d^(1.5−2γ).
     summary = {f"{k}_exponent": float(np.polyfit(log_d, np.log([r[k] for r in rows]), 1)[0])
-               for k in ("attn_ratio", "mlp_ratio")}
+               for k in rows[0] if k != "d_model"}
     summary.update(gamma=args.gamma, mlp=args.mlp)
     return {"analysis": "residual_init", "summary": summary, "rows": rows}
 
@@ -754,20 +768,18 @@ def run_math_bench(model, tokenizer, args):
     # Few-shot exemplars are the first records; they are excluded from the scored set.
     shots, tests = records[:args.shots], records[args.shots:][:args.limit]
 
-    def cut(text, marker):
-        return text.split(marker)[0]
-
     per_problem = []
     for rec in progress(tests, len(tests), args.task):
         prompt, marker = few_shot_prompt(shots, rec["question"], args.task)
         stop = lambda toks: eot_id in toks or marker in decode([t for t in toks if t != eot_id])
         outs = generate(model, encode(prompt), args.max_new_tokens, args.num_samples, args.temperature,
                         args.top_k, args.seed, stop)
-        texts = [cut(decode([t for t in o if t != eot_id]), marker) for o in outs]
+        # The model goes on to invent the next question; its answer ends where that starts.
+        texts = [decode([t for t in o if t != eot_id]).split(marker)[0] for o in outs]
         answers = [extract_answer(t) for t in texts]
         hits = [answers_match(a, rec["answer"]) for a in answers]
         votes = [normalize_answer(a) for a in answers if a is not None]
-        majority = max(set(votes), key=votes.count) if votes else None
+        majority = max(votes, key=votes.count) if votes else None  # ties: the first sample's
         per_problem.append({"answer": rec["answer"], "predicted": answers[0], "correct": hits[0],
                             "mean_correct": float(np.mean(hits)), "majority_correct": answers_match(majority, rec["answer"])})
     summary = {"task": args.task, "problems": len(per_problem), "shots": args.shots,

@@ -512,13 +512,14 @@ def test_residual_command_attributes_branches_correctly(tmp_path, text_data):
     assert all(r["mlp_ratio"] > 0 and r["resid_rms"] > 0 for r in rows)
 
 
-@pytest.mark.parametrize("gamma", [0.5, 1.0])
-def test_residual_exponent_at_init_follows_the_theory(gamma):
-    # README / issue 2: attention branch / residual ~ d^(1-γ), gelu MLP the same.
-    result = ev.main(["residual", "--init", "--widths", "64", "128", "256", "--gamma", str(gamma),
+@pytest.mark.parametrize("mlp,gamma,mlp_exponent", [("gelu", 0.5, 0.5), ("gelu", 1.0, 0.0), ("swiglu", 1.0, -0.5)])
+def test_residual_exponent_at_init_follows_the_theory(mlp, gamma, mlp_exponent):
+    # Issue 2's derivation: attention and gelu branch / residual ~ d^(1-γ); SwiGLU's bilinear
+    # product adds d^(0.5-γ), so d^(1.5-2γ).
+    result = ev.main(["residual", "--init", "--widths", "64", "128", "256", "--gamma", str(gamma), "--mlp", mlp,
                       "--batch-size", "2", "--seq-len", "32"])
-    assert result["summary"]["attn_ratio_exponent"] == pytest.approx(1 - gamma, abs=0.1)
-    assert result["summary"]["mlp_ratio_exponent"] == pytest.approx(1 - gamma, abs=0.1)
+    assert result["summary"]["attn_ratio_block0_exponent"] == pytest.approx(1 - gamma, abs=0.1)
+    assert result["summary"]["mlp_ratio_block0_exponent"] == pytest.approx(mlp_exponent, abs=0.1)
 
 
 def test_weights_trajectory_over_a_run_and_moe_experts(tmp_path):
