@@ -178,6 +178,10 @@ def test_loss_falls(data_dir, tmp_path):
     run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=60", "--seq_len=64",
                "--global_batch=16", "--batch_size=16", "--eval_interval=60", "--eval_batches=2"])
     loss, val = rows(out, "loss"), rows(out, "val_loss")
+    saved = json.load(open(os.path.join(out, "config.json")))
+    meta = json.load(open(os.path.join(out, "ckpt_00000060", "meta.json")))
+    assert saved["max_steps"] == meta["config"]["max_steps"] == 60 and meta["step"] == 60
+    assert meta["model_config"]["d_model"] == 64 and meta["data_meta"]["tokenizer"] == "bytes"
     assert sorted(loss) == list(range(1, 61))
     assert sum(loss[s] for s in range(56, 61)) / 5 < loss[1] - 1.5   # bytes: ~5.5 -> well under 4
     assert val[60] < val[0] - 1.5
@@ -204,6 +208,10 @@ def test_accumulation_and_fsdp_match_one_process(moe_runs, name):
     assert sorted(ref) == sorted(got) == list(range(1, 11))
     for step in ref:
         assert got[step] == pytest.approx(ref[step], abs=1e-5), step
+    # Adam hides a wrong gradient scale from the losses; the global grad norm does not.
+    ref, got = rows(root / "1x4", "grad_norm"), rows(root / name, "grad_norm")
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
     assert rows(root / name, "val_loss")[10] == pytest.approx(rows(root / "1x4", "val_loss")[10], abs=1e-5)
     loads = rows(root / name, "expert_load")
     assert len(loads[10]) == 2 and all(sum(layer) == pytest.approx(4) for layer in loads[10])
@@ -255,9 +263,12 @@ def test_sigkill_and_resume_is_bitwise_exact(data_dir, tmp_path):
     assert proc.wait() == -signal.SIGKILL
     done = train.checkpoints(out)
     assert done and not done[-1].endswith("ckpt_00000150"), "the run finished before it was killed"
-    os.makedirs(os.path.join(out, "ckpt_99999999"))  # incomplete (no meta.json): must be ignored
+    os.makedirs(os.path.join(out, "ckpt_99999999"))    # incomplete (no meta.json): ignored
+    os.makedirs(os.path.join(out, "tmp_ckpt_00000999"))  # a save cut short: removed
     p = run_train([*args, f"--out_dir={out}"])
     assert f"resumed from {done[-1]}" in p.stdout
+    assert not os.path.exists(os.path.join(out, "tmp_ckpt_00000999"))
+    assert [os.path.basename(c) for c in train.checkpoints(ref)] == ["ckpt_00000140", "ckpt_00000150"]  # keep_last=2
     for field in ("loss", "grad_norm", "val_loss"):
         assert rows(out, field) == rows(ref, field), field  # every step, bitwise
 
@@ -290,3 +301,5 @@ def test_nan_guard_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
     # the run continues from the intact checkpoint once the cause is gone
     run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=12", "--ckpt_interval=5"])
     assert max(rows(out, "loss")) == 12
+    p = run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--resume=False"], ok=False)
+    assert p.returncode == 1 and "already holds checkpoints (ckpt_00000012)" in p.stderr
