@@ -709,7 +709,7 @@ def run_residual(args):
         model = GPT(cfg)
         init_model_(model, gamma=args.gamma, seed=args.seed)
         x = torch.randint(cfg.vocab_size, (args.batch_size, args.seq_len), generator=torch.Generator().manual_seed(args.seed))
-        layers = branch_ratios(model.eval(), [x])
+        layers = branch_ratios(model.to(args.device).eval(), [x])
         # Block 0 sees the embedding alone, where the d^(1−γ) law is clean; later blocks see a
         # residual already grown by earlier branches (by a width-dependent amount when γ < 1).
         rows.append({"d_model": width, **{f"{k}_block0": layers[0][k] for k in ("attn_ratio", "mlp_ratio")},
@@ -925,15 +925,18 @@ def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def command(name, func, help, data=False, ckpt=True):
+    def command(name, func, help, data=False, ckpt=True, plot=False, output=True, runs_model=True):
         p = sub.add_parser(name, help=help)
-        p.set_defaults(func=func)
+        p.set_defaults(func=func, json_out=None, plot=None)
         if ckpt:
             p.add_argument("ckpt", help=".pt export, checkpoint folder or run folder")
-        p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-        p.add_argument("--json-out", help="write the result as JSON here")
-        p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
-        p.add_argument("--seed", type=int, default=0)
+        if runs_model:
+            p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+            p.add_argument("--seed", type=int, default=0, help="data order, init and sampling")
+        if output:
+            p.add_argument("--json-out", help="write the result as JSON here")
+        if plot:
+            p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
         if data:
             p.add_argument("--data", help="data folder from prepare_data.py (default: the run's data_dir)")
             p.add_argument("--split", default="val")
@@ -943,12 +946,13 @@ def build_parser():
         return p
 
     command("loss", run_loss, "validation loss overall and per source", data=True)
-    p = command("tokens", run_tokens, "per-token Δsym of A over B by difficulty bucket", data=True, ckpt=False)
+    p = command("tokens", run_tokens, "per-token Δsym of A over B by difficulty bucket", data=True, ckpt=False, plot=True)
     p.add_argument("ckpt_a")
     p.add_argument("ckpt_b")
     p.add_argument("--buckets", type=int, default=10)
     command("sink", run_sink, "attention share on the first token per layer/head", data=True)
-    p = command("weights", run_weights, "stable rank and row cosine of every matrix", ckpt=False)
+    p = command("weights", run_weights, "stable rank and row cosine of every matrix", ckpt=False, plot=True,
+                runs_model=False)
     p.add_argument("ckpts", nargs="+", help="checkpoints or run folders; several -> trajectory")
     p.add_argument("--threshold", type=float, default=0.7)
     p.add_argument("--max-rows", type=int, default=2048, help="row subsample for the cosine matrix")
@@ -974,14 +978,16 @@ def build_parser():
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--num-samples", type=int, default=1, help=">1: mean accuracy and majority vote")
-    p = command("scaling", run_scaling, "fit L(N) = a N^-α + c; effective size of compared runs", ckpt=False)
+    p = command("scaling", run_scaling, "fit L(N) = a N^-α + c; effective size of compared runs", ckpt=False, plot=True,
+                runs_model=False)
     p.add_argument("--baseline", nargs="+", required=True, help="loss JSONs (or N=loss) of the baseline sizes")
     p.add_argument("--compare", nargs="*", default=[], help="loss JSONs (or N=loss) to express as effective sizes")
     p.add_argument("--count", default="total", choices=["total", "active"], help="which parameter count is N")
-    p = command("report", run_report, "gather result JSONs into a markdown table", ckpt=False)
+    p = command("report", run_report, "gather result JSONs into a markdown table", ckpt=False, output=False,
+                runs_model=False)
     p.add_argument("results", nargs="+")
     p.add_argument("--out", default="report.md")
-    p = command("sample", run_sample, "print continuations of a prompt")
+    p = command("sample", run_sample, "print continuations of a prompt", output=False)
     p.add_argument("--tokenizer-dir", help="offline tokenizer files (prepare_data.py --tokenizer-dir)")
     p.add_argument("--prompt", default="\n")
     p.add_argument("--max-new-tokens", type=int, default=100)
