@@ -39,11 +39,13 @@ def clean_name(name):
 
 def _name_seed(seed, name):
     # 64-bit FNV-1a of the name, mixed with the seed: stable across processes and Python
-    # versions (unlike hash(), which is salted per process).
+    # versions (unlike hash(), which is salted per process). Folded to 32 bits because the CPU
+    # generator (Mersenne Twister) only uses the low 32 bits of its seed.
     h = 0xCBF29CE484222325
     for byte in name.encode():
         h = ((h ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return (h ^ (seed * 0x9E3779B97F4A7C15)) & 0x7FFFFFFFFFFFFFFF
+    h = (h ^ (seed * 0x9E3779B97F4A7C15)) & 0xFFFFFFFFFFFFFFFF
+    return (h ^ (h >> 32)) & 0xFFFFFFFF
 
 
 def _is_norm(module):
@@ -57,9 +59,11 @@ def _declared_dim(module, param_name, fan_in_dims):
     of the dimension that holds d_in); a caller declares it for classes it cannot edit with
     `fan_in_dims={Conv1D: {"weight": 0}}` (class or class name as key).
     """
-    for key in (type(module), type(module).__name__):
-        if fan_in_dims and key in fan_in_dims and param_name in fan_in_dims[key]:
-            return fan_in_dims[key][param_name]
+    # Along the MRO: FSDP2 and other wrappers swap a module's class for a subclass of it.
+    for cls in type(module).__mro__:
+        for key in (cls, cls.__name__):
+            if fan_in_dims and key in fan_in_dims and param_name in fan_in_dims[key]:
+                return fan_in_dims[key][param_name]
     return getattr(module, "gamma_fan_in_dims", {}).get(param_name)
 
 
@@ -68,7 +72,7 @@ def classify(module, param_name, param, fan_in_dims=None, embedding_fan_in="embe
     dim = _declared_dim(module, param_name, fan_in_dims)
     if dim is not None:
         return "normal", param.shape[dim], "declared"
-    if param_name == "bias" or param_name.endswith("_bias"):
+    if param_name == "bias" or (param_name.endswith("_bias") and param.dim() == 1):
         return "zeros", None, "bias"
     if _is_norm(module):
         if param_name == "weight" and param.dim() == 1:
@@ -142,6 +146,8 @@ def gamma_init_(module, gamma=1.0, seed=0, overrides=None, fan_in_dims=None,
                 std = float(d_in) ** -g
                 generator = torch.Generator().manual_seed(_name_seed(seed, name))
                 full = torch.randn(param.shape, generator=generator, dtype=torch.float32).mul_(std)
+                if isinstance(mod, nn.Embedding) and mod.padding_idx is not None:
+                    full[mod.padding_idx] = 0  # the padding row stays zero, as nn.Embedding makes it
                 _fill_(param, full)
                 row.update(d_in=int(d_in), gamma=float(g), std=std)
             elif action in ("ones", "zeros"):

@@ -16,6 +16,7 @@ The smallinit model: a pre-norm decoder (dense or MoE) built to test small initi
   an auxiliary loss.
 """
 
+import functools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
@@ -73,11 +74,17 @@ class GPTConfig:
                                      ("moe_impl", self.moe_impl, MOE_IMPLS)):
             if value not in allowed:
                 raise ValueError(f"GPTConfig.{name}={value!r}: choose one of {', '.join(allowed)}")
+        for name in ("vocab_size", "n_layer", "n_head", "d_model", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)}: must be >= 1")
         if self.n_kv_head == 0:
             self.n_kv_head = self.n_head
-        if self.d_model % self.n_head or self.n_head % self.n_kv_head:
-            raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}, "
-                             f"and n_head by n_kv_head={self.n_kv_head}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}: pick n_head "
+                             f"so that head_dim = d_model / n_head is a whole number")
+        if not 0 < self.n_kv_head <= self.n_head or self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}: GQA shares "
+                             f"each key/value head among n_head / n_kv_head query heads")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE: change d_model or n_head")
         if not self.norm_eps > 0:
@@ -95,6 +102,10 @@ class GPTConfig:
                              f"divisible by 8; change them or use moe_impl='reference'")
         if self.doc_mask and not 0 <= self.eot_id < self.vocab_size:
             raise ValueError(f"doc_mask=True needs eot_id in [0, vocab_size={self.vocab_size}), got {self.eot_id}")
+
+    # Zero-valued fields (n_kv_head, d_ff, d_expert) are resolved on construction: make a new
+    # config with GPTConfig(...)/config_for(...) rather than dataclasses.replace, which would
+    # carry the resolved values over.
 
     @property
     def head_dim(self):
@@ -146,11 +157,15 @@ class RMSNorm(nn.Module):
         return (y * self.weight.float()).type_as(x)
 
 
-def rope_cos_sin(seq_len, head_dim, theta, device):
-    # Computed per forward (T x head_dim/2, negligible) rather than stored as a buffer, so a
-    # model built on the meta device needs no buffer re-initialisation after to_empty().
+def rope_cos_sin(start, seq_len, head_dim, theta, device):
+    """cos/sin of the rotation angles of positions start..start+seq_len-1, (seq_len, head_dim/2).
+    Computed in fp32 inside each attention call (T x head_dim/2, negligible next to the
+    matmuls) rather than stored as a buffer or passed between blocks: a meta-device build then
+    needs no buffer re-initialisation, and FSDP2's mixed precision, which casts floating
+    inputs of each block to bf16, never rounds the angles."""
     inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    positions = torch.arange(start, start + seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -164,8 +179,16 @@ def apply_rope(x, cos, sin):
 # Masks: one definition (a mask_mod), rendered as a BlockMask for flex or a dense bool mask
 # for sdpa/eager, so the backends cannot disagree about who attends to whom.
 
-def causal_mask_mod(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
+def attention_mask_mod(offset=0, q_doc=None, kv_doc=None):
+    """The one attention rule. A query sees keys at or before its own position (offset: cached
+    positions before the first query) and, given document ids, only keys of its own document."""
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx + offset >= kv_idx
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return causal(b, h, q_idx, kv_idx) & (q_doc[b, q_idx] == kv_doc[b, kv_idx])
+
+    return causal if q_doc is None else document_causal
 
 
 def document_ids(idx, eot_id):
@@ -175,29 +198,44 @@ def document_ids(idx, eot_id):
     return torch.cumsum(is_eot, dim=1) - is_eot
 
 
-def document_causal_mask_mod(doc_ids):
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
-    return mask_mod
+@functools.cache
+def compiled(fn):
+    # On CUDA flex_attention and create_block_mask must run compiled: eager, they materialise
+    # the full B x H x T x T scores and a B x T x T mask. Inside an already compiled block this
+    # is simply inlined. Wrapped on first use, so importing model.py stays cheap.
+    return torch.compile(fn)
 
 
-def build_attention_mask(idx, cfg, backend):
+def build_attention_mask(idx, cfg, backend, kv_cache=None):
+    """A BlockMask (flex), a dense bool mask (B|1, 1, T, T_kv) (sdpa/eager), or None for sdpa's
+    own causal kernel. With a KVCache the queries continue the cached sequence (dense only)."""
     B, T = idx.shape
+    start = 0 if kv_cache is None else kv_cache.length
     if cfg.doc_mask:
-        mask_mod, batch = document_causal_mask_mod(document_ids(idx, cfg.eot_id)), B
+        q_doc = document_ids(idx, cfg.eot_id)
+        kv_doc = q_doc
+        if kv_cache is not None:
+            q_doc = q_doc + kv_cache.docs_before[:, None]
+            kv_cache.doc[:, start:start + T] = q_doc
+            kv_cache.docs_before = q_doc[:, -1] + (idx[:, -1] == cfg.eot_id)
+            kv_doc = kv_cache.doc[:, :start + T]
+        mask_mod, batch = attention_mask_mod(start, q_doc, kv_doc), B
     else:
-        mask_mod, batch = causal_mask_mod, None
-    if backend == "flex":
-        # Built once per batch and shared by every layer; compiled on CUDA, where the eager
-        # builder would materialise a full B x T x T mask.
-        return create_block_mask(mask_mod, batch, None, T, T, device=idx.device, _compile=idx.is_cuda)
-    return create_mask(mask_mod, batch or 1, 1, T, T, device=idx.device)
+        mask_mod, batch = attention_mask_mod(start), None
+    if backend == "flex" and kv_cache is None:
+        # Built once per batch and shared by every layer.
+        build = compiled(create_block_mask) if idx.is_cuda else create_block_mask
+        return build(mask_mod, batch, None, T, T, device=idx.device)
+    if backend == "sdpa" and batch is None and start == 0:
+        # Plain causal: SDPA's is_causal path can use the flash kernel; a dense mask cannot.
+        return None
+    return create_mask(mask_mod, batch or 1, 1, T, start + T, device=idx.device)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.n_head, self.n_kv_head, self.head_dim, self.rope_theta = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.rope_theta
         self.backend, self.gate = cfg.attn_backend, cfg.attn_gate
         d, hd = cfg.d_model, cfg.head_dim
         self.wq = nn.Linear(d, cfg.n_head * hd, bias=False)
@@ -209,23 +247,26 @@ class Attention(nn.Module):
         # Identity tap: a forward hook on it sees the eager backend's attention probabilities.
         self.probs_tap = nn.Identity()
 
-    def forward(self, x, cos, sin, mask, kv=None):
-        """kv: (k_cache, v_cache, start) while decoding: this call's keys/values are written at
-        positions start.., and attention reads everything cached up to them."""
+    def forward(self, x, mask, kv=None):
+        """mask: from build_attention_mask. kv: (k_cache, v_cache, start) while decoding: this
+        call's keys/values are written at positions start.., and attention reads all cached so far."""
         B, T, _ = x.shape
+        start = 0 if kv is None else kv[2]
+        cos, sin = rope_cos_sin(start, T, self.head_dim, self.rope_theta, x.device)
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is not None:
-            k_cache, v_cache, start = kv
+            k_cache, v_cache, _ = kv
             k_cache[:, :, start:start + T], v_cache[:, :, start:start + T] = k, v
             k, v = k_cache[:, :, :start + T], v_cache[:, :, :start + T]
         gqa = self.n_kv_head != self.n_head
         if isinstance(mask, BlockMask):
-            y = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+            flex = compiled(flex_attention) if q.is_cuda else flex_attention
+            y = flex(q, k, v, block_mask=mask, enable_gqa=gqa)
         elif self.backend != "eager":
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         else:
             y = self.eager_attention(q, k, v, mask)
         if self.gate != "none":
@@ -234,6 +275,8 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
     def eager_attention(self, q, k, v, mask):
+        if mask is None:  # a Block called directly, outside GPT.forward: plain causal
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
         repeat = self.n_head // self.n_kv_head
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(self.head_dim)
@@ -263,9 +306,11 @@ class MLP(nn.Module):
         return feed_forward(x, self.kind, lambda t, name: getattr(self, name)(t))
 
 
-# Rows of each expert's token group are padded to a multiple of this: grouped GEMM kernels
-# load tiles with 16-byte-aligned TMA copies (8 bf16 rows in the weight-gradient GEMM, whose
-# contraction runs over tokens). The padding rows are zeros and are never read back.
+# Rows of each expert's token group are padded to a multiple of this. Grouped GEMM kernels load
+# tiles with 16-byte-aligned TMA copies; in the weight-gradient GEMM the contraction runs over
+# tokens, so each group's row count must be a multiple of 8 for bf16 and of 16 for fp8 (16
+# covers both). Padding rows are zeros; the rows of the output past the last offset are never
+# written by the kernel, and neither kind is ever gathered back.
 GROUP_ALIGN = 16
 
 
@@ -285,28 +330,37 @@ class MoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(E, f, d))
         # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores only to
         # choose experts, never to weigh them. Persistent: it is training state.
+        # Keep it fp32 (FSDP2 mixed precision leaves buffers alone): steps of 1e-3 vanish in bf16.
         self.register_buffer("expert_bias", torch.zeros(E))
-        self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)
+        # int64: exact at any count (fp32 stops counting at 2^24), and .to(bf16) leaves it alone.
+        self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.long), persistent=False)
 
     def forward(self, x):
         """Returns (output, aux_loss, tokens routed to each expert)."""
         B, T, d = x.shape
         xf = x.reshape(-1, d)
-        scores = self.router(xf).float()
+        # Router in fp32 end to end: under bf16 mixed precision the logits' rounding would
+        # otherwise decide near-tied expert choices.
+        scores = F.linear(xf.float(), self.router.weight.float())
         scores = scores.softmax(dim=-1) if self.score == "softmax" else torch.sigmoid(scores)
         expert_idx = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices  # (N, k)
         weights = scores.gather(-1, expert_idx)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.top_k > 1:
+            # Renormalised over the chosen experts. Not for top-1: s/s = 1 would leave the
+            # router without a gradient from the loss.
+            weights = weights / weights.sum(dim=-1, keepdim=True)
         flat_expert = expert_idx.flatten()
         # scatter_add, not bincount: a fixed output shape keeps torch.compile graphs whole.
-        counts = torch.zeros(self.n_experts, device=x.device).scatter_add_(
-            0, flat_expert, torch.ones_like(flat_expert, dtype=torch.float32))
+        counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, flat_expert, torch.ones_like(flat_expert))
         # Switch/GShard balance loss E * sum_e f_e * P_e: f = share of routed slots, P = mean
         # (normalised) score. Its minimum, 1, is uniform routing.
         probs = scores / scores.sum(dim=-1, keepdim=True)
-        aux = self.n_experts * (counts / flat_expert.numel() * probs.mean(dim=0)).sum()
-        run = self.grouped_experts if self.impl == "grouped" else self.reference_experts
-        out = run(xf, expert_idx, weights, counts)
+        aux = self.n_experts * (counts.float() / flat_expert.numel() * probs.mean(dim=0)).sum()
+        if self.impl == "grouped":
+            out = self.grouped_experts(xf, expert_idx, weights, counts)
+        else:
+            out = self.reference_experts(xf, expert_idx, weights)
         return out.view(B, T, d).type_as(x), aux, counts
 
     def grouped_experts(self, xf, expert_idx, weights, counts):
@@ -315,7 +369,6 @@ class MoE(nn.Module):
         order = torch.argsort(flat_expert, stable=True)
         sorted_expert = flat_expert[order]
         token_of_slot = order // k
-        counts = counts.long()
         padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
         padded_end = torch.cumsum(padded, 0)
         rank_in_group = torch.arange(N * k, device=xf.device) - (torch.cumsum(counts, 0) - counts)[sorted_expert]
@@ -325,21 +378,25 @@ class MoE(nn.Module):
         xs[row] = xf[token_of_slot]
         offsets = padded_end.to(torch.int32)
         ys = feed_forward(xs, self.kind, lambda t, name: torch._grouped_mm(t, getattr(self, name), offs=offsets))
-        ys = ys[row] * weights.flatten()[order, None].to(ys.dtype)
-        return torch.zeros_like(xf).index_add_(0, token_of_slot, ys.type_as(xf))
+        # Back to (token, slot) order and a weighted sum over the k slots in fp32: deterministic,
+        # unlike index_add_ (atomics on CUDA), and the routing weights are never rounded to bf16.
+        y_slot = torch.empty_like(ys[:N * k])
+        y_slot[order] = ys[row]
+        return (y_slot.view(N, k, -1).float() * weights[..., None]).sum(dim=1)
 
-    def reference_experts(self, xf, expert_idx, weights, counts):
-        out = torch.zeros_like(xf)
+    def reference_experts(self, xf, expert_idx, weights):
+        out = torch.zeros(xf.shape, dtype=torch.float32, device=xf.device)
         for e in range(self.n_experts):
             token, slot = torch.where(expert_idx == e)
             y = feed_forward(xf[token], self.kind, lambda t, name: t @ getattr(self, name)[e])
-            out.index_add_(0, token, (y * weights[token, slot, None]).type_as(xf))
+            out.index_add_(0, token, y.float() * weights[token, slot, None])
         return out
 
     @torch.no_grad()
     def update_bias(self, counts, rate):
         # Sign update: overloaded experts become less likely to be chosen, underloaded more,
         # by a fixed step, independent of the loss.
+        counts = counts.float()
         self.expert_bias += rate * torch.sign(counts.mean() - counts)
         self.tokens_per_expert.zero_()
 
@@ -352,9 +409,9 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, kv=None):
+    def forward(self, x, mask, kv=None):
         """Returns (x, moe_stats); moe_stats is (aux_loss, counts), or None for a dense block."""
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, kv)
+        x = x + self.attn(self.attn_norm(x), mask, kv)
         out = self.mlp(self.mlp_norm(x))
         if isinstance(out, tuple):
             out, aux, counts = out
@@ -380,24 +437,17 @@ class GPT(nn.Module):
         B, T = idx.shape
         start = 0 if kv_cache is None else kv_cache.length
         if start + T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {start + T} > max_seq_len={self.cfg.max_seq_len}")
-        cos, sin = rope_cos_sin(start + T, self.cfg.head_dim, self.cfg.rope_theta, idx.device)
-        cos, sin = cos[start:], sin[start:]
-        if kv_cache is None:
-            mask = build_attention_mask(idx, self.cfg, self.cfg.attn_backend)
-        else:
-            # Decoding treats the whole context as one document: the causal rule, shifted by
-            # the number of cached positions.
-            mask = create_mask(lambda b, h, q, kv: causal_mask_mod(b, h, q + start, kv), 1, 1, T, start + T,
-                               device=idx.device)
+            raise ValueError(f"sequence length {start + T} > max_seq_len={self.cfg.max_seq_len}: use shorter "
+                             f"sequences or a model config with a larger max_seq_len")
+        mask = build_attention_mask(idx, self.cfg, self.cfg.attn_backend, kv_cache)
         x = self.tok_emb(idx)
         aux_total = None
         for i, block in enumerate(self.layers):
             kv = None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i], start)
             if self.cfg.activation_checkpointing and self.training:
-                x, moe_stats = checkpoint(block, x, cos, sin, mask, kv, use_reentrant=False)
+                x, moe_stats = checkpoint(block, x, mask, kv, use_reentrant=False)
             else:
-                x, moe_stats = block(x, cos, sin, mask, kv)
+                x, moe_stats = block(x, mask, kv)
             if moe_stats is not None:
                 aux, counts = moe_stats
                 aux_total = aux if aux_total is None else aux_total + aux
@@ -411,7 +461,11 @@ class GPT(nn.Module):
         self.aux_loss = None if aux_total is None else aux_total.detach() / self.cfg.n_layer
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+            # Sum over counted targets, divided by at least 1: a micro-batch whose targets are all
+            # masked (possible with loss masks) contributes 0, not 0/0 = NaN.
+            total = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
+                                    ignore_index=-1, reduction="sum")
+            loss = total / (targets != -1).sum().clamp(min=1)
             if aux_total is not None and self.cfg.moe_aux_loss_coef:
                 loss = loss + self.cfg.moe_aux_loss_coef * aux_total / self.cfg.n_layer
         return logits, loss
@@ -500,6 +554,10 @@ class KVCache:
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.length = 0
+        # Document masking while decoding: the document id of every cached position, and how
+        # many documents each row has closed so far.
+        self.doc = torch.zeros(batch, max_len, dtype=torch.long, device=device)
+        self.docs_before = torch.zeros(batch, dtype=torch.long, device=device)
 
 
 def sample_next(logits, temperature=0.0, top_k=None, generator=None):

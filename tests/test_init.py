@@ -128,8 +128,12 @@ def test_embedding_fan_in_option_and_format_report():
     report = gamma_init_(emb, gamma=1.0, embedding_fan_in="num_embeddings")
     assert report[0]["d_in"] == 400
     assert emb.weight.std().item() == pytest.approx(1 / 400, rel=0.03)
-    table = format_report(report)
-    assert "weight" in table and "400" in table
+    header, row = format_report(report).splitlines()
+    assert header.split() == ["parameter", "shape", "d_in", "gamma", "std", "action"]
+    assert row.split()[-4:] == ["400", "1", f"{1 / 400:.3e}", "normal"]
+    padded = nn.Embedding(50, 64, padding_idx=3)
+    gamma_init_(padded)
+    assert torch.all(padded.weight[3] == 0) and padded.weight[4].abs().sum() > 0
     with pytest.raises(ValueError, match="embedding_fan_in"):
         gamma_init_(emb, embedding_fan_in="rows")
 
@@ -180,10 +184,11 @@ def test_tied_embeddings_are_drawn_once():
 
 def _torchrun_init(nproc, out_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                    "--master_port=0", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
-                    os.path.join(ROOT, "tests", "dist_init_worker.py"), str(out_path)],
-                   check=True, env=env, capture_output=True)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                          "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
+                          os.path.join(ROOT, "tests", "dist_init_worker.py"), str(out_path)],
+                         env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return torch.load(out_path)
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from init import gamma_init_
-from model import (GPT, SIZES, Attention, GPTConfig, MoE, RMSNorm, capture_attention, config_for,
+from model import (GPT, SIZES, Attention, GPTConfig, MoE, RMSNorm, apply_rope, capture_attention, config_for,
                    document_ids, init_model_, rope_cos_sin, trace_residual)
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -32,12 +32,11 @@ def built(cfg, gamma=0.5, seed=0):
 def test_rmsnorm_tiny_eps_normalizes_small_activations():
     x = torch.randn(8, 256, dtype=torch.float64)
     x = x / x.pow(2).mean(-1, keepdim=True).sqrt() * 1e-3  # every row has RMS exactly 1e-3
-    for eps, want in ((1e-12, 1.0), (1e-5, math.sqrt(1e-6 / (1e-6 + 1e-5)))):
-        y = RMSNorm(256, eps)(x.float())
-        rms = y.double().pow(2).mean(-1).sqrt()
-        assert torch.allclose(rms, torch.full_like(rms, want), rtol=1e-4), (eps, rms[0].item(), want)
-    # With eps=1e-5 the output is at ~0.30, nowhere near normalized.
-    assert want < 0.31
+    rms = {eps: RMSNorm(256, eps)(x.float()).double().pow(2).mean(-1).sqrt() for eps in (1e-12, 1e-5)}
+    assert torch.allclose(rms[1e-12], torch.ones(8, dtype=torch.float64), rtol=1e-4)
+    # eps=1e-5 swamps the mean square 1e-6: output RMS sqrt(1e-6 / (1e-6 + 1e-5)) = 0.30.
+    assert torch.all(rms[1e-5] < 0.31)
+    assert torch.allclose(rms[1e-5], torch.full((8,), math.sqrt(1e-6 / 1.1e-5), dtype=torch.float64), rtol=1e-4)
 
 
 def test_rmsnorm_runs_in_fp32_for_bf16_inputs():
@@ -50,12 +49,34 @@ def test_rmsnorm_runs_in_fp32_for_bf16_inputs():
 
 # --- Gated attention --------------------------------------------------------------------------
 
+def rope_by_hand(T, hd, theta=10000.0):
+    """RoPE angles from the definition: position m, pair i rotates by m * theta^(-2i/hd)."""
+    angles = torch.tensor([[m * theta ** (-2 * i / hd) for i in range(hd // 2)] for m in range(T)],
+                          dtype=torch.float64)
+    return angles.cos(), angles.sin()
+
+
+def test_rope_depends_only_on_relative_position():
+    cos, sin = rope_cos_sin(0, 12, 16, 10000.0, "cpu")
+    hand_cos, hand_sin = rope_by_hand(12, 16)
+    assert torch.allclose(cos.double(), hand_cos, atol=1e-6) and torch.allclose(sin.double(), hand_sin, atol=1e-6)
+    later_cos, later_sin = rope_cos_sin(5, 7, 16, 10000.0, "cpu")
+    assert torch.allclose(later_cos, cos[5:], atol=1e-6) and torch.allclose(later_sin, sin[5:], atol=1e-6)
+    # The same query and key vectors at positions (m, n) and (m + s, n + s) give the same score.
+    q, k = torch.randn(16), torch.randn(16)
+    rotated_q = apply_rope(q.expand(1, 1, 12, 16), cos, sin)[0, 0]
+    rotated_k = apply_rope(k.expand(1, 1, 12, 16), cos, sin)[0, 0]
+    scores = rotated_q @ rotated_k.T
+    assert torch.allclose(scores[7, 2], scores[10, 5], atol=1e-5) and torch.allclose(scores[4, 4], scores[11, 11], atol=1e-5)
+    assert not torch.allclose(scores[7, 2], scores[7, 5], atol=1e-3)
+
+
 def attention_reference(attn, x, gate_weight=None):
     """Gated causal attention written out in float64 from the module's weights."""
     B, T, d = x.shape
     H, hd = attn.n_head, attn.head_dim
     xd = x.double()
-    cos, sin = (t.double() for t in rope_cos_sin(T, hd, 10000.0, x.device))
+    cos, sin = rope_by_hand(T, hd)
 
     def heads(w, n):
         t = (xd @ w.double().T).view(B, T, n, hd).transpose(1, 2)
@@ -86,11 +107,9 @@ def test_attention_matches_float64_reference(gate, n_kv_head):
     torch.nn.init.normal_(attn.wq.weight, std=0.3)
     torch.nn.init.normal_(attn.wk.weight, std=0.3)
     x = torch.randn(2, 10, 64)
-    cos, sin = rope_cos_sin(10, cfg.head_dim, cfg.rope_theta, x.device)
-    mask = torch.ones(10, 10, dtype=torch.bool).tril()
     seen = {}
     attn.wo.register_forward_hook(lambda m, args, out: seen.update(wo_input=args[0]))
-    out = attn(x, cos, sin, mask)
+    out = attn(x, torch.ones(10, 10, dtype=torch.bool).tril())
     merged, ref = attention_reference(attn, x, attn.wg.weight if gate != "none" else None)
     assert torch.allclose(out.double(), ref, atol=1e-5)
     # The gate multiplies each head's output *before* the output projection.
@@ -101,21 +120,20 @@ def test_gate_is_query_dependent_and_zero_gate_halves_the_output():
     cfg = tiny(attn_gate="elementwise")
     attn = Attention(cfg)
     x = torch.randn(1, 12, 64)
-    cos, sin = rope_cos_sin(12, cfg.head_dim, cfg.rope_theta, x.device)
     mask = torch.ones(12, 12, dtype=torch.bool).tril()
     gates = []
     attn.wg.register_forward_hook(lambda m, args, out: gates.append(torch.sigmoid(out)))
-    attn(x, cos, sin, mask)
+    attn(x, mask)
     x2 = x.clone()
     x2[0, 5] += 1.0
-    attn(x2, cos, sin, mask)
+    attn(x2, mask)
     changed = (gates[0] - gates[1]).abs().amax(-1)[0]
     assert changed[5] > 0 and torch.all(changed[torch.arange(12) != 5] == 0)
     # sigmoid(0) = 1/2 everywhere: exactly half of the ungated module with the same weights.
     ungated = Attention(tiny(attn_gate="none"))
     ungated.load_state_dict({k: v for k, v in attn.state_dict().items() if not k.startswith("wg")})
     torch.nn.init.zeros_(attn.wg.weight)
-    assert torch.allclose(attn(x, cos, sin, mask), 0.5 * ungated(x, cos, sin, mask), atol=1e-6)
+    assert torch.allclose(attn(x, mask), 0.5 * ungated(x, mask), atol=1e-6)
 
 
 # --- Masks and backends -----------------------------------------------------------------------
@@ -153,8 +171,9 @@ def test_no_attention_across_documents(backend):
     model = built(tiny(doc_mask=True, eot_id=EOT, attn_backend=backend))
     idx = packed_batch()
     changed = idx.clone()
-    # Row 0's second document is positions 8..20 (its end-of-text at 20 belongs to it).
-    changed[0, 8:20] = torch.randint(1, 50, (12,))
+    # Row 0's second document is positions 8..20 (its end-of-text at 20 belongs to it); every
+    # token of it is replaced by a different one.
+    changed[0, 8:20] = (idx[0, 8:20] + torch.arange(1, 13)) % 49 + 1
     with torch.no_grad():
         a, b = model(idx)[0], model(changed)[0]
     moved = (a - b).abs().amax(-1)[0]
@@ -232,8 +251,9 @@ def test_moe_grouped_and_reference_match_brute_force(score, mlp):
     reference = MoE(moe_cfg(router_score=score, mlp=mlp, moe_impl="reference"))
     reference.load_state_dict(grouped.state_dict())
     x = torch.randn(3, 7, 64)
-    out_g, aux_g, counts_g = grouped(x)
-    out_r, aux_r, counts_r = reference(x)
+    x_g, x_r = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_g, aux_g, counts_g = grouped(x_g)
+    out_r, aux_r, counts_r = reference(x_r)
     want, chosen = moe_brute_force(grouped, x.view(-1, 64))
     assert torch.allclose(out_g.view(-1, 64).double(), want, atol=1e-5)
     assert torch.allclose(out_r.view(-1, 64).double(), want, atol=1e-5)
@@ -246,6 +266,17 @@ def test_moe_grouped_and_reference_match_brute_force(score, mlp):
     (out_r.square().sum() + aux_r).backward()
     for (name, pg), pr in zip(grouped.named_parameters(), reference.parameters()):
         assert torch.allclose(pg.grad, pr.grad, atol=1e-5), name
+    assert torch.allclose(x_g.grad, x_r.grad, atol=1e-5)
+
+
+def test_top1_router_still_learns():
+    # With one expert per token the routing weight is the raw score, so the LM loss reaches
+    # the router (renormalising s/s = 1 would cut that gradient).
+    moe = MoE(moe_cfg(top_k=1))
+    gamma_init_(moe, gamma=0.5)
+    out, _, counts = moe(torch.randn(2, 9, 64))
+    out.square().sum().backward()
+    assert counts.sum() == 18 and moe.router.weight.grad.norm() > 1e-3
 
 
 def test_moe_aux_loss_by_hand():
@@ -273,7 +304,7 @@ def test_selection_bias_moves_load_toward_balance():
     imbalance = []  # busiest expert's load over the mean load (1 = balanced, 3 = one expert in every top-2)
     for _ in range(60):
         model(idx)
-        counts = model.update_moe_bias()[0]
+        counts = model.update_moe_bias()[0].float()
         imbalance.append((counts.max() / counts.mean()).item())
     assert imbalance[0] > 2.0
     assert np.mean(imbalance[-10:]) < 0.6 * imbalance[0]
@@ -288,7 +319,32 @@ def test_moe_counts_only_training_forwards():
         model.eval()(idx)
     assert model.update_moe_bias().sum() == 0
     model.train()(idx)
-    assert model.update_moe_bias().sum(1).tolist() == [2 * 8 * 2] * 2
+    counts = model.update_moe_bias()
+    assert counts.dtype == torch.long and counts.sum(1).tolist() == [2 * 8 * 2] * 2
+
+
+def test_aux_loss_coefficient_enters_the_loss():
+    idx = torch.randint(0, 50, (2, 8))
+    losses = {}
+    for coef in (0.0, 0.5):
+        model = built(moe_cfg(moe_aux_loss_coef=coef))
+        losses[coef] = model(idx, idx)[1]
+    aux = model.aux_loss  # mean over layers of E * sum_e f_e P_e, >= 1 (its value at balance)
+    assert aux >= 1.0
+    assert losses[0.5].item() == pytest.approx(losses[0.0].item() + 0.5 * aux.item(), rel=1e-5)
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients():
+    idx = torch.randint(0, 50, (2, 16))
+    grads, counts = [], []
+    for ac in (False, True):
+        model = built(moe_cfg(activation_checkpointing=ac)).train()
+        loss = model(idx, idx)[1]
+        loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+        counts.append(model.update_moe_bias())
+    assert all(torch.allclose(grads[0][n], grads[1][n], atol=1e-6) for n in grads[0])
+    assert torch.equal(counts[0], counts[1])  # recomputation in backward doesn't count tokens twice
 
 
 # --- Residual-flow theory ---------------------------------------------------------------------
@@ -349,8 +405,11 @@ def test_param_and_flop_counts_by_hand():
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(d_model=60, n_head=8), "divisible"),
-    (dict(n_head=4, n_kv_head=3), "divisible"),
+    (dict(d_model=60, n_head=8), "not divisible by n_head"),
+    (dict(n_head=4, n_kv_head=3), "not divisible by n_kv_head"),
+    (dict(n_head=4, n_kv_head=-2), "n_kv_head"),
+    (dict(n_head=0), "n_head"),
+    (dict(vocab_size=0), "vocab_size"),
     (dict(n_experts=4, top_k=5), "top_k"),
     (dict(n_experts=4, d_expert=36), "divisible by 8"),
     (dict(attn_gate="sigmoid"), "attn_gate"),
@@ -381,15 +440,19 @@ def test_loss_ignores_masked_targets():
     logits, loss = model(idx, targets)
     want = F.cross_entropy(logits[:, -1].double(), idx[:, 0])
     assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    # A micro-batch with no targets at all contributes zero, not NaN.
+    _, empty = model(idx, torch.full_like(idx, -1))
+    assert empty.item() == 0.0
 
 
 # --- Generation -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw", [dict(), dict(n_kv_head=1, attn_gate="headwise"), dict(attn_backend="flex"),
-                                dict(n_experts=4, top_k=2, d_expert=32)])
+                                dict(n_experts=4, top_k=2, d_expert=32), dict(doc_mask=True, eot_id=EOT)])
 def test_cached_greedy_generation_equals_full_recomputation(kw):
     model = built(tiny(max_seq_len=40, **kw))
     idx = torch.randint(1, 50, (3, 7))
+    idx[0, 3] = idx[1, 6] = EOT  # documents end inside the prompt (matters with doc_mask)
     out = model.generate(idx, 20)
     ref = idx
     with torch.no_grad():
