@@ -729,37 +729,16 @@ def tokenizer_of(info, tokenizer_dir=None):
     return enc.encode_ordinary, lambda ids: enc.decode(ids, errors="replace"), info["data_meta"]["eot_id"]
 
 
-@torch.no_grad()
 def generate(model, prompt, max_new_tokens, num_samples=1, temperature=0.0, top_k=None, seed=0, stop=None):
-    """Continuations of one prompt (token ids): greedy when temperature == 0, else sampled from
-    softmax(logits / temperature) restricted to the top_k tokens.
-
-    model.py has no KV cache, so every step recomputes the (window-cropped) context: O(T²)
-    per token, fine for the short answers and small models evaluated here.
-    stop(tokens) -> True ends that row; generation ends when every row has stopped."""
+    """num_samples continuations of one prompt (token ids) by model.generate (KV cache). The
+    prompt loses its oldest tokens when it and the answer would not fit in max_seq_len.
+    stop(tokens) -> True ends a row; returns each row's new tokens."""
     device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
+    max_new_tokens = min(max_new_tokens, model.cfg.max_seq_len - 1)
+    prompt = prompt[-(model.cfg.max_seq_len - max_new_tokens):]
     idx = torch.tensor([prompt] * num_samples, device=device)
-    new = [[] for _ in range(num_samples)]
-    done = [False] * num_samples
-    for _ in range(max_new_tokens):
-        logits = model(idx[:, -model.cfg.max_seq_len:])[0][:, -1].float()
-        if temperature == 0:
-            nxt = logits.argmax(-1)
-        else:
-            logits = logits / temperature
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(logits.softmax(-1), 1, generator=gen).squeeze(1)
-        idx = torch.cat([idx, nxt[:, None]], 1)
-        for i, t in enumerate(nxt.tolist()):
-            if not done[i]:
-                new[i].append(t)
-                done[i] = stop is not None and stop(new[i])
-        if all(done):
-            break
-    return new
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return model.generate(idx, max_new_tokens, temperature, top_k, gen, stop)
 
 
 def run_math_bench(model, tokenizer, args):

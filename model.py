@@ -471,27 +471,28 @@ class GPT(nn.Module):
         return logits, loss
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=0.0, top_k=None, stop_id=None, generator=None):
-        """Continue idx (B, T) by up to max_new_tokens with a KV cache: greedy at temperature 0,
-        else sampled (optionally from the top_k logits). Rows that emit stop_id keep emitting it;
-        decoding ends early once every row has. Returns (B, T + generated)."""
+    def generate(self, idx, max_new_tokens, temperature=0.0, top_k=None, generator=None, stop=None):
+        """Continue each row of idx (B, T) by up to max_new_tokens, with a KV cache: greedy at
+        temperature 0, else sampled (optionally from the top_k logits). stop(tokens) -> True ends
+        a row, tokens being that row's new tokens so far; decoding ends when every row has.
+        Returns each row's new tokens, a list of B lists of ints."""
         B, T = idx.shape
         if T + max_new_tokens > self.cfg.max_seq_len:
             raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > max_seq_len={self.cfg.max_seq_len}: "
                              f"shorten the prompt or generate fewer tokens")
         cache = KVCache(self.cfg, B, T + max_new_tokens, idx.device, self.lm_head.weight.dtype)
         logits, _ = self(idx, kv_cache=cache)
-        done = torch.zeros(B, dtype=torch.bool, device=idx.device)
+        new, done = [[] for _ in range(B)], [False] * B
         for _ in range(max_new_tokens):
             next_token = sample_next(logits[:, -1], temperature, top_k, generator)
-            if stop_id is not None:
-                next_token = torch.where(done, stop_id, next_token)
-                done |= next_token == stop_id
-            idx = torch.cat([idx, next_token[:, None]], dim=1)
-            if done.all():
+            for row, token in enumerate(next_token.tolist()):
+                if not done[row]:
+                    new[row].append(token)
+                    done[row] = stop is not None and stop(new[row])
+            if all(done):
                 break
             logits, _ = self(next_token[:, None], kv_cache=cache)
-        return idx
+        return new
 
     def set_attn_backend(self, name):
         if name not in ATTN_BACKENDS:

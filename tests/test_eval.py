@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import eval as ev
+from model import GPT, GPTConfig, config_for, init_model_
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "..", "shared", "data")
@@ -300,26 +301,21 @@ def test_scaling_and_report_commands(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- generation and sink helpers
 
-def test_greedy_generation_follows_the_argmax_chain_and_top1_sampling_equals_it():
-    g = torch.Generator().manual_seed(0)
-    table = torch.randn(10, 10, generator=g)
-    model = Bigram(table)
-    chain, t = [], 4
-    for _ in range(6):
-        t = int(table[t].argmax())
-        chain.append(t)
-    assert ev.generate(model, [4], 6) == [chain]
-    assert ev.generate(model, [4], 6, num_samples=3, temperature=1.0, top_k=1) == [chain] * 3
-    stop_at = chain[2]
-    assert ev.generate(model, [4], 6, stop=lambda toks: toks[-1] == stop_at)[0] == chain[:chain.index(stop_at) + 1]
-
-
-def test_sampling_frequencies_follow_the_tempered_distribution():
-    table = torch.log(torch.tensor([[0.5, 0.3, 0.2]] * 3))
-    outs = ev.generate(Bigram(table), [0], 1, num_samples=4000, temperature=0.5, seed=1)
-    freq = np.bincount([o[0] for o in outs], minlength=3) / 4000
-    expected = np.array([0.5, 0.3, 0.2]) ** 2 / (np.array([0.5, 0.3, 0.2]) ** 2).sum()
-    np.testing.assert_allclose(freq, expected, atol=0.03)
+def test_generate_crops_long_prompts_and_passes_stop_through():
+    cfg = GPTConfig(vocab_size=30, n_layer=1, n_head=2, d_model=32, max_seq_len=16)
+    model = GPT(cfg)
+    init_model_(model, gamma=0.5)
+    prompt = list(range(1, 25))  # longer than max_seq_len
+    out = ev.generate(model, prompt, 6)
+    # Reference: greedy by full recomputation on the last 10 prompt tokens (16 - 6 new).
+    ref = torch.tensor([prompt[-10:]])
+    with torch.no_grad():
+        for _ in range(6):
+            ref = torch.cat([ref, model(ref)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert out == [ref[0, 10:].tolist()]
+    stop_at = out[0][2]
+    assert ev.generate(model, prompt, 6, stop=lambda toks: toks[-1] == stop_at)[0][-1] == stop_at
+    assert len(ev.generate(model, prompt, 40)[0]) == 15  # capped to leave one prompt token
 
 
 def test_document_starts_match_a_loop():
@@ -347,7 +343,6 @@ BYTES_META = {"tokenizer": "bytes", "vocab_size": 257, "eot_id": 256}
 
 
 def tiny_model(gamma=1.0, seed=0, **overrides):
-    from model import GPT, config_for, init_model_
     model = GPT(config_for("tiny", **{"max_seq_len": 64, **overrides}))
     init_model_(model, gamma=gamma, seed=seed)
     return model.eval()
