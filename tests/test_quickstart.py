@@ -1,0 +1,73 @@
+"""quickstart.py --smoke end to end: data, two trainings, the anchor benchmark, table and plot."""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("quickstart")
+    proc = subprocess.run([sys.executable, "quickstart.py", "--smoke", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out / "quickstart.json") as f:
+        return out, proc.stdout, json.load(f)
+
+
+@pytest.mark.slow
+def test_table_printed_with_sane_numbers(smoke):
+    out, stdout, result = smoke
+    assert result["smoke"] is True
+    rows = {r["name"]: r for r in result["results"]}
+    assert set(rows) == {"gamma05", "gamma1"}
+    for r in rows.values():
+        shares = [r["inferential"], r["symmetric"], r["other"]]
+        assert all(0 <= s <= 1 for s in shares) and math.isclose(sum(shares), 1, abs_tol=1e-9)
+        assert 0 <= r["seen_pair_acc"] <= 1 and 0 <= r["test_key_acc"] <= 1
+        assert r["wall_s"] > 0
+        # The printed row carries the same numbers as the JSON.
+        line = next(line for line in stdout.splitlines() if line.startswith(r["label"]))
+        assert f"{r['inferential']:.1%}" in line and f"{r['val_loss']:.4f}" in line
+        # Training did something: the last validation loss is below the step-0 one.
+        with open(out / r["name"] / "metrics.jsonl") as f:
+            val = [row["val_loss"] for row in map(json.loads, f) if "val_loss" in row]
+        assert math.isfinite(val[-1]) and val[-1] < val[0] and val[-1] == r["val_loss"]
+    if importlib.util.find_spec("matplotlib"):
+        assert (out / "quickstart.png").stat().st_size > 0
+    else:
+        assert "plot skipped: matplotlib is not installed" in stdout
+
+
+@pytest.mark.slow
+def test_heldout_shares_match_a_hand_count(smoke):
+    """Recount the held-out answers from the trained model with this file's own reading of
+    the records: the key is the token before the first anchor (1..4), the pair the two after."""
+    sys.path.insert(0, ROOT)
+    from eval import load_model
+    from prepare_data import read_records
+    out, _, result = smoke
+    records = read_records(str(out / "data"), "heldout")
+    for r in result["results"]:
+        model, _ = load_model(str(out / r["name"]), "cpu")
+        with torch.no_grad():
+            pred = model(torch.as_tensor(records[:, :-1]))[0][:, -1].argmax(-1).numpy()
+        counts = {"inferential": 0, "symmetric": 0}
+        for rec, p in zip(records, pred):
+            i = next(j for j, t in enumerate(rec[:-1]) if 1 <= t <= 4)
+            key, pair = int(rec[i - 1]), (int(rec[i]), int(rec[i + 1]))
+            assert pair == (4, 3)
+            if p == key - 8 - 2:
+                counts["inferential"] += 1
+            elif p == key - 6:
+                counts["symmetric"] += 1
+        for kind, n in counts.items():
+            assert np.isclose(r[kind], n / len(records)), (r["name"], kind)
