@@ -604,7 +604,7 @@ def run_tokens(args):
 def document_starts(x, eot_id):
     """Position of the first token of each token's document. A document ends with its eot
     token, so the token after an eot starts a new one."""
-    t = torch.arange(x.shape[1]).expand_as(x)
+    t = torch.arange(x.shape[1], device=x.device).expand_as(x)
     starts = torch.where(F.pad(x[:, :-1] == eot_id, (1, 0)), t, torch.zeros_like(t))
     return torch.cummax(starts, dim=1).values
 
@@ -614,20 +614,20 @@ def sink_shares(model, x):
     """Per layer (H,) attention share on the sequence's first token (queries ≥ 1) and, with
     document masking, on each query's document start (queries that are not that start)."""
     from model import capture_attention
-    with capture_attention(model) as probs:
-        model(x)
-    q = torch.arange(x.shape[1])
+    q = torch.arange(x.shape[1], device=x.device)
     doc = document_starts(x, model.cfg.eot_id)
-    layers = []
-    for p in probs:
+
+    def shares(p):  # reduced inside the hook: one layer's (B, H, T, T) probabilities at a time
         p = p.double()
-        first = p[:, :, 1:, 0].mean(dim=(0, 2))
-        row = {"first": first.tolist()}
+        row = {"first": p[:, :, 1:, 0].mean(dim=(0, 2)).tolist()}
         if model.cfg.doc_mask:
             on_doc = p.gather(3, doc[:, None, :, None].expand(-1, p.shape[1], -1, 1)).squeeze(3)
             not_start = (q != doc)[:, None, :].expand_as(on_doc)
             row["doc_first"] = (on_doc * not_start).sum(dim=(0, 2)).div(not_start.sum(dim=(0, 2))).tolist()
-        layers.append(row)
+        return row
+
+    with capture_attention(model, reduce=shares) as layers:
+        model(x)
     return layers
 
 

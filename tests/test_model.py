@@ -198,6 +198,9 @@ def test_eager_probabilities_sum_to_one_and_respect_the_mask():
         assert torch.allclose(p.sum(-1), torch.ones(3, 4, T), atol=1e-6)
         assert torch.all(p.masked_select(~allowed[:, None]) == 0)
         assert torch.all(p.masked_select(allowed[:, None]) > 0)
+    with torch.no_grad(), capture_attention(model, reduce=lambda p: p[:, :, :, 0].sum()) as first_column:
+        model(idx)
+    assert all(torch.allclose(r, p[:, :, :, 0].sum()) for r, p in zip(first_column, probs))
     model.set_attn_backend("sdpa")
     with pytest.raises(ValueError, match="eager"):
         with capture_attention(model):
