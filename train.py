@@ -27,6 +27,7 @@ import resource
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import asdict
 
 import torch
@@ -316,7 +317,9 @@ def export(ckpt_dir, out_file):
         net = GPT(GPTConfig(**meta["model_config"]))
     net.to_empty(device="cpu")
     state = {"model": net.state_dict()}
-    dcp.load(state, checkpoint_id=ckpt_dir, no_dist=True)  # one process reads every rank's shards
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=ckpt_dir, no_dist=True)  # one process reads every rank's shards
     payload = {"model": state["model"], **{k: meta[k] for k in ("model_config", "config", "step", "data_meta")}}
     tmp = out_file + ".tmp"
     torch.save(payload, tmp)
