@@ -507,7 +507,7 @@ def train(cfg):
         write_json(os.path.join(out, "config.json"), cfg)
         if step == 0:
             log0(format_report(init_report))
-        truncate_metrics(metrics_path, step)
+        truncate_metrics(metrics_path, step if done else -1)  # no checkpoint: everything is redone
     metrics = open(metrics_path, "a") if rank == 0 else None
 
     def record(row):
