@@ -579,8 +579,9 @@ def train(cfg):
                 load = moe_counts.float() / moe_counts.sum(-1, keepdim=True) * moe_counts.shape[-1]
                 row.update(expert_load=load.tolist(), aux_loss=net.aux_loss.item())
             mfu = f"{row['mfu']:.1%}" if peak else "n/a"
+            moe = f" expert load max {load.max():.2f} aux {row['aux_loss']:.3g}" if moe_counts is not None else ""
             log0(f"step {step}/{cfg['max_steps']} loss {loss_val:.4f} lr {lr:.3g} grad norm {norm_val:.3g} "
-                 f"{tps:,.0f} tok/s mfu {mfu} mem {row['mem_gib']:.2f} GiB eta {eta / 60:.1f} min")
+                 f"{tps:,.0f} tok/s mfu {mfu} mem {row['mem_gib']:.2f} GiB eta {eta / 60:.1f} min{moe}")
             record(row)
             step_log, time_log = step, train_time
         if step % cfg["eval_interval"] == 0 or step == cfg["max_steps"]:
