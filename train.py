@@ -10,6 +10,8 @@ Pretrain a GPT from model.py with γ-init (init.py) on token shards from prepare
 Configuration: the module-level names below are the defaults; each config file given on the
 command line is executed over them; then `--key=value` (a Python literal, else a string) and
 `--key.item=value` (one entry of a dict setting) override. Unknown names and wrong types fail.
+In a config file, names starting with _ are its own helpers and include("other.py") runs
+another config file (beside it) in place, so a pair of configs can differ in three lines.
 One code path: a single process is a 1-rank process group, so FSDP2, DCP checkpoints and the
 data order are the same for 1 CPU process and for 64 GPUs.
 """
