@@ -10,7 +10,7 @@
 out_dir = "out/anchor_gamma1"
 data_dir = "data/anchor"
 model_size = "tiny"
-model = dict(n_layer=3, n_head=1, d_model=64, mlp="swiglu", vocab_size=128, max_seq_len=16,
+model = dict(n_layer=2, n_head=1, d_model=64, mlp="swiglu", vocab_size=128, max_seq_len=16,
              norm_eps=1e-12, attn_gate="elementwise")
 gamma = 1.0
 seq_len = 9                     # records of 10 tokens: 9 inputs, the loss on the last target
