@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from eval import cosine_stats, row_cosines, stable_rank
 from init import format_report
 from model import GPT, GPTConfig, config_for, init_model_
 from prepare_data import TokenLoader, check_model_vocab
@@ -384,21 +385,17 @@ def matmul_peak(cfg, device):
 
 @torch.no_grad()
 def weight_structure(net, names):
-    """Stable rank ||W||_F^2 / ||W||_2^2 and mean |cos| between distinct rows (neurons): the
-    condensation signal (γ=1 should show high cosine / low rank early that later relaxes)."""
+    """Stable rank ||W||_F^2 / ||W||_2^2 and row-cosine statistics (eval.py's definitions) of a
+    few matrices: the condensation signal (γ=1 should show high cosine / low rank early that
+    later relaxes)."""
     params = dict(net.named_parameters())
     out = {}
     for name in names:
         w = params[name]
-        w = (w.full_tensor() if isinstance(w, DTensor) else w).float()  # collective: all ranks
+        w = w.full_tensor() if isinstance(w, DTensor) else w  # collective: all ranks
         if w.dim() == 3:
             w = w[0].T  # stacked experts (E, d_in, d_out): expert 0, one row per neuron
-        s = torch.linalg.matrix_norm(w, ord=2)
-        u = torch.nn.functional.normalize(w, dim=1)
-        cos = (u @ u.T).abs()
-        r = w.shape[0]
-        out[name] = {"stable_rank": (w.square().sum() / s.square()).item(),
-                     "mean_abs_cos": ((cos.sum() - cos.diagonal().sum()) / max(r * (r - 1), 1)).item()}
+        out[name] = {"stable_rank": stable_rank(w), **cosine_stats(row_cosines(w))}
     return out
 
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -185,6 +186,18 @@ def test_loss_falls(data_dir, tmp_path):
     assert sorted(loss) == list(range(1, 61))
     assert sum(loss[s] for s in range(56, 61)) / 5 < loss[1] - 1.5   # bytes: ~5.5 -> well under 4
     assert val[60] < val[0] - 1.5
+    # The logged condensation metrics are those of the checkpointed weights (numpy reference).
+    path = str(tmp_path / "final.pt")
+    train.export(os.path.join(out, "ckpt_00000060"), path)
+    _, net = load_export(path)
+    logged = rows(out, "weights")[60]
+    for name in ("layers.0.attn.wq.weight", "layers.1.mlp.w_up.weight"):
+        w = net.get_parameter(name).detach().double().numpy()
+        s = np.linalg.svd(w, compute_uv=False)
+        unit = w / np.linalg.norm(w, axis=1, keepdims=True)
+        cos = np.abs(unit @ unit.T)[~np.eye(len(w), dtype=bool)]
+        assert logged[name]["stable_rank"] == pytest.approx((s ** 2).sum() / s[0] ** 2, rel=1e-6)
+        assert logged[name]["mean_abs_cos"] == pytest.approx(cos.mean(), rel=1e-6)
 
 
 @pytest.fixture(scope="module")
