@@ -82,6 +82,7 @@ def format_table(rows, markdown=False):
 
 def write_json(path, obj):
     # Atomic: a reader (e.g. `report` over a results folder) never sees half a file.
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1)
