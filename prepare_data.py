@@ -29,6 +29,7 @@ read_records and the anchor helpers anchor_fields, anchor_answer_kinds, anchor_a
 import argparse
 import glob
 import hashlib
+import io
 import json
 import multiprocessing
 import os
@@ -159,6 +160,13 @@ def get_tokenizer(name, tokenizer_dir=None):
                          f"--tokenizer-dir DIR holding {sets or 'its published files'}") from None
 
 
+def usable_cores():
+    # The cores this process may run on (a container's or taskset's share); macOS has no
+    # sched_getaffinity, so there it is every core.
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else os.cpu_count()
+
+
 def token_dtype(vocab_size):
     return np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
@@ -175,6 +183,12 @@ def atomic_write_bytes(path, chunks):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def npy_bytes(array):
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
 
 
 def write_shard(path, tokens, docs, mask=None):
@@ -409,7 +423,10 @@ class Source:
     split: str = "train"        # hub dataset split
     sample_by: str = "paragraph"  # .txt documents: blank-line paragraphs, so books split into val/train
     sep: str | None = None      # also cut each text at this string (TinyStories: "<|endoftext|>")
-    max_tokens: int | None = None  # stop reading this source after this many tokens
+    # Stop reading this source after this many tokens. Files are read in sorted path order, so a
+    # capped folder of several corpora is cut from the front: give them separate sources to
+    # control their shares.
+    max_tokens: int | None = None
 
 
 def parse_count(text):
@@ -433,7 +450,10 @@ def parse_source(spec):
         if key not in Source.__dataclass_fields__ or key in ("name", "path"):
             raise ValueError(f"bad --source {spec!r}: unknown option {key!r}; options: weight, field, "
                              f"config, split, sample_by, sep, max_tokens")
-        kwargs[key] = float(value) if key == "weight" else parse_count(value) if key == "max_tokens" else value
+        try:
+            kwargs[key] = float(value) if key == "weight" else parse_count(value) if key == "max_tokens" else value
+        except ValueError:
+            raise ValueError(f"bad --source {spec!r}: {key}={value!r} is not a number") from None
     if kwargs.get("sample_by", "paragraph") not in ("paragraph", "document", "line"):
         raise ValueError(f"bad --source {spec!r}: sample_by is paragraph, document or line")
     return Source(name, path, **kwargs)
@@ -568,9 +588,15 @@ def tokenize_source(source, pool, workers, cache_dir, cap, dtype, fingerprint):
     lengths_path = os.path.join(cache_dir, f"{source.name}.lengths.npy")
     if os.path.exists(done):
         with open(done) as f:
-            if json.load(f) == fingerprint:
+            same = json.load(f) == fingerprint
+        if same and os.path.exists(tokens_path) and os.path.exists(lengths_path):
+            tokens, lengths = np.memmap(tokens_path, dtype, "r"), np.load(lengths_path)
+            # The marker vouches for the settings; the sizes vouch for the bytes (a cache
+            # truncated or edited after the marker was written is tokenized again).
+            if len(tokens) == lengths.sum():
                 print(f"{source.name}: reusing tokens from an interrupted run", file=sys.stderr)
-                return np.memmap(tokens_path, dtype, "r"), np.load(lengths_path), None
+                return tokens, lengths, None
+            print(f"{source.name}: cached tokens are incomplete, tokenizing again", file=sys.stderr)
         os.remove(done)
     progress = Progress(f"tokenizing {source.name}", cap)
     lengths, count = [], 0
@@ -583,13 +609,14 @@ def tokenize_source(source, pool, workers, cache_dir, cap, dtype, fingerprint):
             progress.update(len(tokens))
             if cap is not None and count >= cap:
                 break
+        raw.flush()
+        os.fsync(raw.fileno())  # on disk before the done marker (fsynced) can vouch for it
     progress.update(0, final=True)
     lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
     if not len(lengths):
         raise ValueError(f"source {source.name} ({source.path}) has no non-empty documents")
     os.replace(tmp, tokens_path)
-    np.save(lengths_path + ".tmp.npy", lengths)  # np.save appends .npy to other names
-    os.replace(lengths_path + ".tmp.npy", lengths_path)
+    atomic_write_bytes(lengths_path, [npy_bytes(lengths)])
     atomic_write_bytes(done, [json.dumps(fingerprint).encode()])
     return np.memmap(tokens_path, dtype, "r"), lengths, progress.steady()
 
@@ -906,7 +933,7 @@ def add_text_arguments(p):
     p.add_argument("--val-fraction", type=float, default=0.02, help="share of each source's tokens held out by document")
     p.add_argument("--seed", type=int, default=0, help="fixes document selection, val split and order")
     # one tokenizer process per usable core: tokenization is CPU-bound
-    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="tokenizer processes")
+    p.add_argument("--workers", type=int, default=usable_cores(), help="tokenizer processes")
     # 100M tokens (200 MB as uint16): few files, each cheap to map, as in nanoGPT/llm.c FineWeb shards
     p.add_argument("--shard-tokens", type=parse_count, default=100_000_000, help="tokens per shard file")
 

@@ -335,6 +335,29 @@ def test_interrupted_run_is_refused_then_resumes(tmp_path, monkeypatch, capsys):
     assert "already prepared" in capsys.readouterr().out
 
 
+def test_truncated_tokenize_cache_is_not_trusted(tmp_path, monkeypatch, capsys):
+    src = f"a={write_jsonl(tmp_path / 'a.jsonl', random_docs(100, 'abcdefgh', seed=5))}"
+    reference = prepare(tmp_path / "ref", src, shard_tokens=1000)
+    out = tmp_path / "out"
+    monkeypatch.setattr(P, "write_shard", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):  # dies after tokenizing: the cache and its marker exist
+        prepare(out, src, shard_tokens=1000)
+    monkeypatch.undo()
+    cached = out / "tokenize_cache" / "a.tokens.bin"
+    with open(cached, "r+b") as f:  # the marker says done, the bytes say otherwise
+        f.truncate(100)
+    capsys.readouterr()
+    meta = prepare(out, src, shard_tokens=1000)
+    assert "incomplete, tokenizing again" in capsys.readouterr().err
+    for name in meta["splits"]["train"]["shards"]:
+        assert open(out / name, "rb").read() == open(tmp_path / "ref" / name, "rb").read()
+
+
+def test_bad_source_option_values_name_the_source():
+    with pytest.raises(ValueError, match="weight='abc' is not a number"):
+        P.parse_source("en=corpus,weight=abc")
+
+
 # ---------------------------------------------------------------- loader state and ranks
 
 
