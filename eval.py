@@ -23,6 +23,7 @@ in [−1, 1], antisymmetric in A and B, +1 when only A predicts the token.
 import argparse
 import bz2
 import glob
+import io
 import json
 import math
 import os
@@ -35,6 +36,8 @@ from fractions import Fraction
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from prepare_data import atomic_write_bytes
 
 
 # ----------------------------------------------------------------------------- output helpers
@@ -80,13 +83,22 @@ def format_table(rows, markdown=False):
     return "\n".join(lines + ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells])
 
 
+def json_safe(obj):
+    """obj with every non-finite float as None: standard JSON has no NaN/Infinity, and an
+    undefined quantity (an error bar without residual degrees of freedom) is null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def write_json(path, obj):
     # Atomic: a reader (e.g. `report` over a results folder) never sees half a file.
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+    atomic_write_bytes(os.fspath(path), [json.dumps(json_safe(obj), indent=1, allow_nan=False).encode()])
 
 
 def pyplot():
@@ -100,9 +112,9 @@ def pyplot():
 
 
 def save_figure(fig, path):
-    tmp = f"{path}.tmp{os.getpid()}.png"
-    fig.savefig(tmp, dpi=120, bbox_inches="tight")
-    os.replace(tmp, path)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    atomic_write_bytes(os.fspath(path), [buf.getvalue()])
     print(f"wrote {path}", file=sys.stderr)
 
 
@@ -228,6 +240,9 @@ def difficulty_buckets(logp_a, logp_b, n_buckets=10):
 
     Win rate of A counts a tie as half a win, so win(A, B) = 1 − win(B, A)."""
     logp_a, logp_b = np.asarray(logp_a, np.float64), np.asarray(logp_b, np.float64)
+    if len(logp_a) < n_buckets:
+        raise ValueError(f"{len(logp_a)} tokens cannot fill {n_buckets} difficulty buckets: raise --tokens "
+                         "or lower --buckets")
     difficulty = -(logp_a + logp_b) / 2
     gap = delta_sym(logp_a, logp_b)
     rows = []
@@ -259,6 +274,26 @@ def plot_buckets(rows, path, label_a, label_b):
 
 # ----------------------------------------------------------------------------- multiple choice (HellaSwag)
 
+def clean_hellaswag(text):
+    """The WikiHow markup clean-up of llama.cpp's text format (shared/data/README, HellaSwag),
+    so a published jsonl record and its text-format line score identically: [header], [step]
+    and [substeps] dropped, " [title]" -> ". ", other [title] marks dropped, double spaces
+    collapsed once, one leading and one trailing space trimmed."""
+    for mark in ("[header]", "[step]", "[substeps]"):
+        text = text.replace(mark, "")
+    text = text.replace(" [title]", ". ").replace("[title] ", "").replace("[title].", "")
+    text = text.replace("  ", " ")
+    text = text[1:] if text.startswith(" ") else text
+    return text[:-1] if text.endswith(" ") else text
+
+
+def hellaswag_tasks(records):
+    """Published records (jsonl or hub: activity_label, ctx, endings, label) as the tasks of the
+    text format, context = activity_label + ": " + ctx: every source is scored on the same text."""
+    return [{"ctx": f"{r['activity_label']}: {clean_hellaswag(r['ctx'])}",
+             "endings": [clean_hellaswag(e) for e in r["endings"]], "label": int(r["label"])} for r in records]
+
+
 def read_hellaswag(path):
     """Tasks {ctx, endings, label} from the published jsonl or llama.cpp's 6-line text format
     (context, label, four endings; see shared/data/README), optionally bz2-compressed."""
@@ -266,8 +301,7 @@ def read_hellaswag(path):
     with opener(path, "rt", encoding="utf-8") as f:
         text = f.read()
     if ".jsonl" in path:
-        records = [json.loads(line) for line in text.splitlines() if line.strip()]
-        return [{"ctx": r["ctx"], "endings": r["endings"], "label": int(r["label"])} for r in records]
+        return hellaswag_tasks(json.loads(line) for line in text.splitlines() if line.strip())
     lines = text.rstrip("\n").split("\n")
     if len(lines) % 6:
         raise ValueError(f"{path}: {len(lines)} lines is not a multiple of 6; expected the HellaSwag "
@@ -330,7 +364,8 @@ def last_boxed(text):
     return None
 
 
-NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?"
+# Thousands groups (1,250) or plain digits, then a decimal or fraction tail: "12, then" is 12.
+NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?"
 
 
 def extract_answer(text):
@@ -341,9 +376,16 @@ def extract_answer(text):
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed
-    said = re.search(r"answer is[:\s]*(.+)", text, flags=re.IGNORECASE)
-    if said:
-        return said.group(1).strip().split("\n")[0].rstrip(".")
+    said = list(re.finditer(r"answer is[:\s]*", text, flags=re.IGNORECASE))
+    if said:  # the last statement wins: "the answer is 5. Wait, actually the answer is 6."
+        rest = text[said[-1].end():]
+        number = re.match(r"\$?(" + NUMBER + ")", rest)
+        if number:  # "18 apples." -> 18
+            return number.group(1)
+        # Otherwise an expression ($\frac{1}{2}$, (C)) up to the end of its sentence or line.
+        expression = re.match(r"(.*?)(?:\.\s|\.?$|\n)", rest, flags=re.MULTILINE).group(1).strip()
+        if expression:
+            return expression
     numbers = re.findall(NUMBER, text)
     return numbers[-1] if numbers else None
 
@@ -404,17 +446,40 @@ def gsm8k_reference(answer_field):
     return answer_field.split("####")[-1].strip()
 
 
+LOCAL_COPIES = {"hellaswag": "hellaswag_val_full.txt.bz2", "gsm8k": "test.jsonl", "math500": "test.jsonl"}
+
+
+def check_source(source, task):
+    """--source is 'hub' or a local file; a missing file is named, never sent to the hub."""
+    if source != "hub" and not os.path.isfile(source):
+        raise FileNotFoundError(f"--source {source}: no such file; pass a local {task} file in its published "
+                                f"format (e.g. {task}/{LOCAL_COPIES[task]} of the offline data kit) or 'hub'")
+
+
+def load_hub(task, *names, split):
+    """Records of a hub data set; unreachable hub -> one line saying to use a local --source."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"--source hub needs the `datasets` package (pip install datasets); offline, "
+                         f"pass --source <local {LOCAL_COPIES[task]}>") from None
+    try:
+        return list(datasets.load_dataset(*names, split=split))
+    except Exception as e:  # datasets reports no network as one of many types (ConnectionError, OSError, ...)
+        raise ValueError(f"could not load {'/'.join(names)} from the hub ({type(e).__name__}: {e}); offline, pass "
+                         f"--source <local {LOCAL_COPIES[task]}> (the offline data kit has one)") from None
+
+
 def read_math_records(source, task):
     """GSM8K / MATH-500 records {question, solution, answer} from a local jsonl in its published
     layout, or from the hub on a connected machine (openai/gsm8k, HuggingFaceH4/MATH-500)."""
-    if os.path.exists(source):
+    check_source(source, task)
+    if source == "hub":
+        names = ("openai/gsm8k", "main") if task == "gsm8k" else ("HuggingFaceH4/MATH-500",)
+        records = load_hub(task, *names, split="test")
+    else:
         with open(source, encoding="utf-8") as f:
             records = [json.loads(line) for line in f if line.strip()]
-    else:
-        import datasets
-        args = ("openai/gsm8k", "main") if source == "hub" and task == "gsm8k" else \
-               ("HuggingFaceH4/MATH-500",) if source == "hub" else (source,)
-        records = list(datasets.load_dataset(*args, split="test"))
     if task == "gsm8k":
         # Calculator annotations <<a*b=c>> are tool traces, not text a model should imitate.
         return [{"question": r["question"], "solution": re.sub(r"<<[^>]*>>", "", r["answer"]),
@@ -438,7 +503,8 @@ def fit_power_law(n, loss, alphas=np.linspace(0.01, 3.0, 600)):
     N is scaled by its geometric mean n0 so N^(−α) stays O(1) for every α."""
     n, loss = np.asarray(n, np.float64), np.asarray(loss, np.float64)
     if len(n) < 3:
-        raise ValueError(f"a power law with offset has 3 parameters; got {len(n)} points, need >= 3")
+        raise ValueError(f"a power law with offset has 3 parameters; got {len(n)} baseline points: "
+                         "pass at least 3 --baseline runs (4+ for error bars)")
     n0 = float(np.exp(np.log(n).mean()))
     logx = np.log(n / n0)
 
@@ -449,6 +515,12 @@ def fit_power_law(n, loss, alphas=np.linspace(0.01, 3.0, 600)):
 
     sse = [solve(a)[1] for a in alphas]
     i = int(np.argmin(sse))
+    if solve(alphas[i])[0][0] <= 0:
+        raise ValueError("the best fit has a <= 0: the baseline loss does not decrease with N, so no power law "
+                         "describes it; check the baseline runs (same data, tokens, --count) or add sizes")
+    if i in (0, len(alphas) - 1):
+        raise ValueError(f"the best exponent is at the edge of the searched range α in [{alphas[0]:g}, {alphas[-1]:g}]: "
+                         "the baselines do not pin down a power law with offset; add sizes or check their losses")
     lo, hi = alphas[max(i - 1, 0)], alphas[min(i + 1, len(alphas) - 1)]
     golden = (math.sqrt(5) - 1) / 2
     for _ in range(100):
@@ -459,24 +531,27 @@ def fit_power_law(n, loss, alphas=np.linspace(0.01, 3.0, 600)):
     # Covariance s²(JᵀJ)⁻¹ of (a_ref, α, c); needs a residual degree of freedom to estimate s².
     u = np.exp(-alpha * logx)
     jac = np.stack([u, -a_ref * logx * u, np.ones_like(u)], 1)
+    # 3 points fit exactly: no error estimate (None, JSON null) rather than NaN.
     dof = len(n) - 3
-    cov = residual / dof * np.linalg.inv(jac.T @ jac) if dof > 0 else np.full((3, 3), np.nan)
-    return {"a": a_ref * n0 ** alpha, "alpha": alpha, "c": c, "a_ref": a_ref, "n0": n0, "cov": cov.tolist(),
-            "alpha_err": math.sqrt(cov[1][1]), "c_err": math.sqrt(cov[2][2]), "rmse": math.sqrt(residual / len(n))}
+    cov = (residual / dof * np.linalg.inv(jac.T @ jac)).tolist() if dof > 0 else None
+    return {"a": a_ref * n0 ** alpha, "alpha": alpha, "c": c, "a_ref": a_ref, "n0": n0, "cov": cov,
+            "alpha_err": math.sqrt(cov[1][1]) if cov else None, "c_err": math.sqrt(cov[2][2]) if cov else None,
+            "rmse": math.sqrt(residual / len(n))}
 
 
 def effective_size(loss, fit):
     """N_eff with L(N_eff) = loss, i.e. N_eff = n0·(a_ref/(loss − c))^(1/α), and its standard
-    error by the delta method on log N_eff with the fit covariance."""
+    error by the delta method on log N_eff with the fit covariance (None without one)."""
     a_ref, alpha, c = fit["a_ref"], fit["alpha"], fit["c"]
     if loss <= c:
         raise ValueError(f"loss {loss:.4f} is below the fitted irreducible loss c={c:.4f}: "
                          "no finite size reaches it; fit with more/larger baselines")
     log_ratio = (math.log(a_ref) - math.log(loss - c)) / alpha
     grad = np.array([1 / (alpha * a_ref), -log_ratio / alpha, 1 / (alpha * (loss - c))])
-    log_err = math.sqrt(grad @ np.asarray(fit["cov"]) @ grad)
     n_eff = fit["n0"] * math.exp(log_ratio)
-    return n_eff, n_eff * log_err
+    if fit["cov"] is None:
+        return n_eff, None
+    return n_eff, n_eff * math.sqrt(grad @ np.asarray(fit["cov"]) @ grad)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -509,7 +584,14 @@ def load_model(path, device="cpu", attn_backend=None):
     else:
         with open(os.path.join(path, "meta.json")) as f:
             info = json.load(f)
-    model = GPT(GPTConfig(**info["model_config"]))
+    # Built on the meta device: the random init of GPT(cfg) would be overwritten anyway, and at
+    # 1.5B it costs a minute and a full extra copy of the weights in host memory.
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**info["model_config"]))
+    model.to_empty(device=device)
+    if model.cfg.tie_embeddings:  # to_empty gives each module its own tensor: re-share them
+        model.lm_head.weight = model.tok_emb.weight
+    model.reset_buffers()  # non-persistent buffers are not in the checkpoint
     if os.path.isfile(path):
         model.load_state_dict(blob["model"])
     else:
@@ -524,43 +606,69 @@ def load_model(path, device="cpu", attn_backend=None):
         # Flex kernels are CUDA-only here; sdpa shares its mask definition (model.py).
         model.set_attn_backend(attn_backend or "sdpa")
     info["path"] = path
-    return model.to(device).eval(), info
+    return model.eval(), info
 
 
 @torch.no_grad()
-def token_logprobs(model, x, y):
-    """log p(y_t | x_≤t) per position, 0 where y == −1 (masked)."""
+def token_logprobs(model, x, y, chunk_elements=1 << 26):
+    """log p(y_t | x_≤t) per position (float32), 0 where y == −1 (masked).
+
+    The log-softmax is never materialised: per chunk of positions, the target's logit minus
+    the logsumexp, in float32, so the extra memory is one chunk of about chunk_elements
+    logits (256 MB) instead of fp32 copies of all (B, T, V) (~13 GB at V=100k, B=8, T=2048).
+    The model's own (B, T, V) logits stay: model.forward returns them whole."""
     logits, _ = model(x)
-    logp = -F.cross_entropy(logits.float().flatten(0, 1), y.flatten().clamp_min(0), reduction="none")
-    return logp.view(y.shape) * (y >= 0)
+    B, T, V = logits.shape
+    step = max(1, chunk_elements // (B * V))
+    out = torch.empty(B, T, dtype=torch.float32, device=logits.device)
+    for s in range(0, T, step):
+        chunk = logits[:, s:s + step].float()
+        target = chunk.gather(2, y[:, s:s + step].clamp_min(0)[..., None]).squeeze(2)
+        out[:, s:s + step] = target - torch.logsumexp(chunk, dim=2)
+    return out * (y >= 0)
 
 
 def data_dir_of(args, info):
-    data = args.data or info.get("config", {}).get("data_dir")
+    data = args.data or (info.get("config") or {}).get("data_dir")
     if not data:
         raise SystemExit("no validation data: pass --data <folder written by prepare_data.py>")
+    if not os.path.isfile(os.path.join(data, "meta.json")):
+        raise FileNotFoundError(f"{data}/meta.json not found: pass --data <folder written by prepare_data.py>"
+                                + ("" if args.data else " (the run's data_dir is gone or was on another machine)"))
     return data
 
 
-def val_batches(data, args, label):
-    """A fixed token budget of validation batches with their source index per token."""
+def seq_len_of(args, info, max_seq_len):
+    """--seq-len, else the length the run trained at, else the model's window; never more than
+    max_seq_len, the longest sequence the model accepts."""
+    wanted = args.seq_len or (info.get("config") or {}).get("seq_len") or max_seq_len
+    if wanted > max_seq_len:
+        print(f"seq_len {wanted} > the model's max_seq_len {max_seq_len}: using {max_seq_len}", file=sys.stderr)
+    return min(wanted, max_seq_len)
+
+
+def val_batches(data, args, label, seq_len):
+    """A fixed token budget of validation batches with their source index per token; returns
+    (meta, seq_len used, batches)."""
     from prepare_data import TokenLoader, load_meta
     # Record datasets (the anchor task) fix the window to one record.
-    seq_len = None if "record_len" in load_meta(data) else args.seq_len
+    if "record_len" in load_meta(data):
+        seq_len = None
     loader = TokenLoader(data, args.split, args.batch_size, seq_len, seed=args.seed)
     wanted = max(1, math.ceil(args.tokens / (args.batch_size * loader.seq_len)))
     # The loader starts a new epoch (repeating tokens) after n_windows; never count a token twice.
     n = min(wanted, loader.n_windows // args.batch_size)
     if n < wanted:
         print(f"{label}: the {args.split} split holds {n} batches, fewer than the --tokens budget", file=sys.stderr)
-    return loader.meta, progress((loader.next_batch(with_sources=True) for _ in range(n)), n, label)
+    return loader.meta, loader.seq_len, progress((loader.next_batch(with_sources=True) for _ in range(n)), n, label)
 
 
 # ----------------------------------------------------------------------------- analyses
 
 def run_loss(args):
     model, info = load_model(args.ckpt, args.device)
-    meta, batches = val_batches(data_dir_of(args, info), args, "loss")
+    meta, seq_len, batches = val_batches(data_dir_of(args, info), args, "loss",
+                                         seq_len_of(args, info, model.cfg.max_seq_len))
     sources = meta["sources"]
     total, count = torch.zeros(len(sources), dtype=torch.float64), torch.zeros(len(sources), dtype=torch.float64)
     for x, y, src in batches:
@@ -571,8 +679,10 @@ def run_loss(args):
     rows = [{"source": s, "tokens": int(n), "loss": float(t / n), "ppl": math.exp(t / n)}
             for s, t, n in zip(sources, total.tolist(), count.tolist()) if n > 0]
     loss = float(total.sum() / count.sum())
-    summary = {"loss": loss, "ppl": math.exp(loss), "tokens": int(count.sum()), "step": info.get("step"),
-               **{f"params_{k}": v for k, v in model.num_params().items()}}
+    params = model.num_params()
+    params["nonembedding"] = params["total"] - params["embedding"]
+    summary = {"loss": loss, "ppl": math.exp(loss), "tokens": int(count.sum()), "split": args.split,
+               "seq_len": seq_len, "step": info.get("step"), **{f"params_{k}": v for k, v in params.items()}}
     return {"analysis": "loss", "ckpt": args.ckpt, "summary": summary, "rows": rows}
 
 
@@ -582,7 +692,8 @@ def run_tokens(args):
     if model_a.cfg.vocab_size != model_b.cfg.vocab_size:
         raise SystemExit(f"vocab sizes differ ({model_a.cfg.vocab_size} vs {model_b.cfg.vocab_size}): "
                          "per-token comparison needs two models on the same tokenizer")
-    _, batches = val_batches(data_dir_of(args, info), args, "tokens")
+    max_len = min(model_a.cfg.max_seq_len, model_b.cfg.max_seq_len)
+    _, seq_len, batches = val_batches(data_dir_of(args, info), args, "tokens", seq_len_of(args, info, max_len))
     logp_a, logp_b = [], []
     for x, y, _ in batches:
         x, y = x.to(args.device), y.to(args.device)
@@ -592,7 +703,7 @@ def run_tokens(args):
     logp_a, logp_b = torch.cat(logp_a).numpy(), torch.cat(logp_b).numpy()
     rows = difficulty_buckets(logp_a, logp_b, args.buckets)
     gap = delta_sym(logp_a, logp_b)
-    summary = {"tokens": len(gap), "mean_delta_sym": float(gap.mean()),
+    summary = {"tokens": len(gap), "split": args.split, "seq_len": seq_len, "mean_delta_sym": float(gap.mean()),
                "win_rate_a": float(np.mean((gap > 0) + 0.5 * (gap == 0))),
                "loss_a": float(-logp_a.mean()), "loss_b": float(-logp_b.mean())}
     result = {"analysis": "tokens", "ckpt_a": args.ckpt_a, "ckpt_b": args.ckpt_b, "summary": summary, "rows": rows}
@@ -619,10 +730,11 @@ def sink_shares(model, x):
     doc = document_starts(x, model.cfg.eot_id)
 
     def shares(p):  # reduced inside the hook: one layer's (B, H, T, T) probabilities at a time
-        p = p.double()
-        row = {"first": p[:, :, 1:, 0].mean(dim=(0, 2)).tolist()}
+        # Only (B, H, T) columns are needed: slice them out before widening to float64, never
+        # the whole T x T matrix.
+        row = {"first": p[:, :, 1:, 0].double().mean(dim=(0, 2)).tolist()}
         if model.cfg.doc_mask:
-            on_doc = p.gather(3, doc[:, None, :, None].expand(-1, p.shape[1], -1, 1)).squeeze(3)
+            on_doc = p.gather(3, doc[:, None, :, None].expand(-1, p.shape[1], -1, 1)).squeeze(3).double()
             not_start = (q != doc)[:, None, :].expand_as(on_doc)
             row["doc_first"] = (on_doc * not_start).sum(dim=(0, 2)).div(not_start.sum(dim=(0, 2))).tolist()
         return row
@@ -634,7 +746,7 @@ def sink_shares(model, x):
 
 def run_sink(args):
     model, info = load_model(args.ckpt, args.device, attn_backend="eager")
-    _, batches = val_batches(data_dir_of(args, info), args, "sink")
+    _, seq_len, batches = val_batches(data_dir_of(args, info), args, "sink", seq_len_of(args, info, model.cfg.max_seq_len))
     totals, n = None, 0
     for x, _, _ in batches:
         layers = sink_shares(model, x.to(args.device))
@@ -646,22 +758,22 @@ def run_sink(args):
             for i in range(model.cfg.n_layer) for h in range(model.cfg.n_head)]
     summary = {f"mean_share_{k}": float(v.mean()) for k, v in means.items()}
     summary.update({f"max_share_{k}": float(v.max()) for k, v in means.items()})
-    summary["attn_gate"] = model.cfg.attn_gate
+    summary.update(attn_gate=model.cfg.attn_gate, split=args.split, seq_len=seq_len)
     return {"analysis": "sink", "ckpt": args.ckpt, "summary": summary, "rows": rows}
 
 
 def run_weights(args):
     paths = [p for arg in args.ckpts for p in find_checkpoints(arg)]
-    series = []
+    series, last_state = [], None
     for path in progress(paths, len(paths), "weights"):
         model, info = load_model(path)
-        # Parameters only: buffers such as RoPE tables are not weights.
-        state = dict(model.named_parameters())
-        rows = weight_stats(state, args.threshold, args.max_rows)
+        # Parameters only: buffers such as the MoE selection bias are not weights.
+        last_state = dict(model.named_parameters())
+        rows = weight_stats(last_state, args.threshold, args.max_rows)
         series.append({"ckpt": path, "step": info.get("step"), "rows": rows, "by_kind": mean_by_kind(rows)})
     last = series[-1]
-    if args.heatmap:  # of the last checkpoint, whose parameters `state` still holds
-        matrices = dict(weight_matrices(state))
+    if args.heatmap:  # of the last checkpoint
+        matrices = dict(weight_matrices(last_state))
         if args.heatmap_matrix not in matrices:
             raise SystemExit(f"--heatmap-matrix {args.heatmap_matrix!r} is not a weight matrix; "
                              f"choose one of: {', '.join(list(matrices)[:6])}, ...")
@@ -695,12 +807,17 @@ def branch_ratios(model, inputs):
              "mlp_ratio": float(np.mean(t["mlp_rms"]) / np.mean(t["resid_rms"]))} for i, t in enumerate(trace)]
 
 
+INIT_SEQ_LEN = 256  # residual --init without --seq-len
+
+
 def run_residual(args):
     if not args.init:
         model, info = load_model(args.ckpt, args.device)
-        _, batches = val_batches(data_dir_of(args, info), args, "residual")
+        _, seq_len, batches = val_batches(data_dir_of(args, info), args, "residual",
+                                          seq_len_of(args, info, model.cfg.max_seq_len))
         rows = branch_ratios(model, (x for x, _, _ in batches))
         summary = {k: float(np.mean([r[k] for r in rows])) for k in ("attn_ratio", "mlp_ratio")}
+        summary.update(split=args.split, seq_len=seq_len)
         return {"analysis": "residual", "ckpt": args.ckpt, "summary": summary, "rows": rows}
     from model import GPT, config_for, init_model_
     rows = []
@@ -709,7 +826,9 @@ def run_residual(args):
         cfg = config_for(args.size, **overrides)
         model = GPT(cfg)
         init_model_(model, gamma=args.gamma, seed=args.seed)
-        x = torch.randint(cfg.vocab_size, (args.batch_size, args.seq_len), generator=torch.Generator().manual_seed(args.seed))
+        # Random tokens at init: no training length to follow, only the model's window.
+        seq_len = min(args.seq_len or INIT_SEQ_LEN, cfg.max_seq_len)
+        x = torch.randint(cfg.vocab_size, (args.batch_size, seq_len), generator=torch.Generator().manual_seed(args.seed))
         layers = branch_ratios(model.to(args.device).eval(), [x])
         # Block 0 sees the embedding alone, where the d^(1−γ) law is clean; later blocks see a
         # residual already grown by earlier branches (by a width-dependent amount when γ < 1).
@@ -763,6 +882,7 @@ def run_math_bench(model, tokenizer, args):
         per_problem.append({"answer": rec["answer"], "predicted": answers[0], "correct": hits[0],
                             "mean_correct": float(np.mean(hits)), "majority_correct": answers_match(majority, rec["answer"])})
     summary = {"task": args.task, "problems": len(per_problem), "shots": args.shots,
+               "exemplars": f"records 1-{args.shots} of the source, not scored; scoring starts at record {args.shots + 1}",
                "accuracy": float(np.mean([p["mean_correct"] for p in per_problem])),
                "temperature": args.temperature, "num_samples": args.num_samples}
     if args.num_samples > 1:
@@ -775,15 +895,18 @@ def run_bench(args):
     if args.task == "anchor":
         summary, rows = anchor_scores(model, data_dir_of(args, info))
     elif args.task == "hellaswag":
+        check_source(args.source, "hellaswag")
         if args.source == "hub":
-            import datasets
-            tasks = [{"ctx": r["ctx"], "endings": r["endings"], "label": int(r["label"])}
-                     for r in datasets.load_dataset("Rowan/hellaswag", split="validation")]
+            tasks, source_format = hellaswag_tasks(load_hub("hellaswag", "Rowan/hellaswag", split="validation")), "hub"
         else:
             tasks = read_hellaswag(args.source)
+            source_format = "jsonl" if ".jsonl" in args.source else "text"
         tasks = tasks[:args.limit]
         encode = tokenizer_of(info, args.tokenizer_dir)[0]
-        summary, rows = {"task": "hellaswag", "tasks": len(tasks), **hellaswag_accuracy(model, encode, tasks)}, []
+        # Every format is scored on the text format's context (activity_label: ctx, markup cleaned).
+        summary = {"task": "hellaswag", "tasks": len(tasks), "source_format": source_format,
+                   **hellaswag_accuracy(model, encode, tasks)}
+        rows = []
     else:
         summary, rows = run_math_bench(model, tokenizer_of(info, args.tokenizer_dir), args)
     return {"analysis": "bench", "ckpt": args.ckpt, "summary": summary, "rows": rows}
@@ -820,6 +943,17 @@ def anchor_scores(model, data_dir):
     return summary, rows
 
 
+def params_of(summary, count, name):
+    """N of a loss result: total, active (MoE experts at top_k/E) or nonembedding = total minus
+    the input embedding (Kaplan et al.), which keeps a 50k-100k-row table from dominating small
+    models' N and bending α."""
+    if "params_total" not in summary:
+        raise ValueError(f"{name}: no params_* in its summary; pass loss JSONs from `eval.py loss --json-out`")
+    if count == "nonembedding":
+        return summary["params_total"] - summary["params_embedding"]
+    return summary[f"params_{count}"]
+
+
 def run_scaling(args):
     def points(specs):
         out = []
@@ -830,7 +964,7 @@ def run_scaling(args):
             else:
                 with open(spec) as f:
                     summary = json.load(f)["summary"]
-                out.append({"name": spec, "params": float(summary[f"params_{args.count}"]), "loss": summary["loss"]})
+                out.append({"name": spec, "params": float(params_of(summary, args.count, spec)), "loss": summary["loss"]})
         return out
 
     base, compare = points(args.baseline), points(args.compare)
@@ -839,8 +973,8 @@ def run_scaling(args):
     for p in compare:
         n_eff, err = effective_size(p["loss"], fit)
         rows.append({**p, "role": "compare", "effective_params": n_eff, "size_ratio": n_eff / p["params"],
-                     "size_ratio_err": err / p["params"]})
-    summary = {k: fit[k] for k in ("a", "alpha", "alpha_err", "c", "c_err", "rmse")}
+                     "size_ratio_err": None if err is None else err / p["params"]})
+    summary = {"count": args.count, **{k: fit[k] for k in ("a", "alpha", "alpha_err", "c", "c_err", "rmse")}}
     ratios = [r["size_ratio"] for r in rows if r["role"] == "compare"]
     if ratios:
         summary["mean_size_ratio"] = float(np.mean(ratios))
@@ -856,7 +990,7 @@ def plot_scaling(rows, fit, path):
     fig, ax = plt.subplots(figsize=(6, 4))
     n = np.geomspace(min(r["params"] for r in rows) / 2, max(r["params"] for r in rows) * 2, 100)
     ax.plot(n, fit["a"] * n ** -fit["alpha"] + fit["c"], color="gray",
-            label=f"fit α={fit['alpha']:.3f}±{fit['alpha_err']:.3f}, c={fit['c']:.3f}")
+            label=f"fit α={fit['alpha']:.3f}±{fmt(fit['alpha_err'])}, c={fit['c']:.3f}")
     for role, color in (("baseline", "tab:blue"), ("compare", "tab:red")):
         sel = [r for r in rows if r["role"] == role]
         ax.scatter([r["params"] for r in sel], [r["loss"] for r in sel], color=color, label=role)
@@ -881,10 +1015,7 @@ def run_report(args):
         lines += [f"![{analysis}]({os.path.relpath(plot, os.path.dirname(os.path.abspath(args.out)))})"
                   for _, r in items for plot in r.get("plots", [])]
     text = "\n".join(lines) + "\n"
-    tmp = f"{args.out}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, args.out)
+    atomic_write_bytes(args.out, [text.encode()])
     print(text)
     return None
 
@@ -922,7 +1053,8 @@ def build_parser():
             p.add_argument("--split", default="val")
             p.add_argument("--tokens", type=int, default=65536, help="token budget")
             p.add_argument("--batch-size", type=int, default=8)
-            p.add_argument("--seq-len", type=int, default=256)
+            p.add_argument("--seq-len", type=int, default=None,
+                           help="default: the run's training seq_len, at most the model's max_seq_len")
         return p
 
     command("loss", run_loss, "validation loss overall and per source", data=True)
@@ -962,7 +1094,8 @@ def build_parser():
                 runs_model=False)
     p.add_argument("--baseline", nargs="+", required=True, help="loss JSONs (or N=loss) of the baseline sizes")
     p.add_argument("--compare", nargs="*", default=[], help="loss JSONs (or N=loss) to express as effective sizes")
-    p.add_argument("--count", default="total", choices=["total", "active"], help="which parameter count is N")
+    p.add_argument("--count", default="nonembedding", choices=["nonembedding", "total", "active"],
+                   help="which parameter count is N (nonembedding: total minus the input embedding)")
     p = command("report", run_report, "gather result JSONs into a markdown table", ckpt=False, output=False,
                 runs_model=False)
     p.add_argument("results", nargs="+")
@@ -980,7 +1113,11 @@ def build_parser():
 def main(argv=None):
     torch.set_num_threads(int(os.environ.get("EVAL_THREADS", "1")))
     args = build_parser().parse_args(argv)
-    result = args.func(args)
+    try:
+        result = args.func(args)
+    except (ValueError, FileNotFoundError) as e:  # bad input: one line with the fix, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     if result is None:
         return None
     print(format_table([result["summary"]]))
