@@ -58,6 +58,23 @@ def test_row_cosine_stats_match_brute_force_on_condensed_rows():
     assert stats["frac_cos_gt"] == pytest.approx(frac, abs=1e-12)
 
 
+def test_row_cosine_subsample_is_an_unbiased_estimate():
+    # 40 rows, the first 20 condensed onto one direction: a subsample of 10 rows that was not a
+    # uniform random subset (e.g. the first rows) would be biased far above the full statistic.
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 16, generator=g)
+    w[:20] = torch.randn(16, generator=g) + 0.3 * torch.randn(20, 16, generator=g)
+    full, _ = brute_force_cosines(w, 0.7)
+    estimates = []
+    for seed in range(300):
+        cos = ev.row_cosines(w, max_rows=10, seed=seed)
+        assert cos.shape == (10, 10)
+        estimates.append(ev.cosine_stats(cos)["mean_abs_cos"])
+    assert torch.equal(ev.row_cosines(w, 10, seed=7), ev.row_cosines(w, 10, seed=7))
+    assert np.mean(estimates) == pytest.approx(full, abs=4 * np.std(estimates) / math.sqrt(300))
+    assert np.std(estimates) > 0.01  # the subsets really differ
+
+
 def test_stacked_experts_are_analysed_per_expert_with_neurons_on_rows():
     # CONTRACT: experts are (E, d_in, d_out); neuron k of expert e reads w[e][:, k].
     w = torch.randn(3, 5, 4)
@@ -213,6 +230,13 @@ COMPLETIONS = [
     ("She has 3 apples and buys 5 more, so she has 8 apples.", "8", "8", True),
     ("She ends with 18.00 dollars", "18", "18.00", True),
     ("The answer is 42.", "42", "42", True),
+    ("So the answer is 5. Wait, actually the answer is 6.", "6", "6", True),
+    ("The answer is 18 apples.", "18", "18", True),
+    ("He ends with 12, then gives none away", "12", "12", True),
+    ("He saved $1,234,567, then stopped", "1234567", "1,234,567", True),
+    ("The answer is: $1,250.50 in total", "1250.5", "1,250.50", True),
+    ("Hence the answer is $\\frac{1}{2}$.", "0.5", "$\\frac{1}{2}$", True),
+    ("The answer is (C).\nWait", "\\text{(C)}", "(C)", True),
     ("#### 5", "6", "5", False),
     ("So the answer is $\\boxed{2\\sqrt{3}}$", "3\\sqrt{2}", "2\\sqrt{3}", False),
     ("I am not sure.", "7", None, False),
@@ -268,6 +292,50 @@ def test_power_law_uncertainty_matches_monte_carlo_spread():
     spread = np.std([f["alpha"] for f in fits])
     assert np.median([f["alpha_err"] for f in fits]) == pytest.approx(spread, rel=0.35)
     assert abs(np.mean([f["alpha"] for f in fits]) - 0.32) < 3 * spread / math.sqrt(150) + 0.01
+
+
+def test_power_law_fit_refuses_edge_exponents_and_increasing_loss():
+    n = np.geomspace(1e7, 1e9, 5)
+    with pytest.raises(ValueError, match="edge of the searched range"):
+        ev.fit_power_law(n, 50.0 * (n / 1e7) ** -5.0 + 2.0)  # α = 5 lies outside [0.01, 3]
+    with pytest.raises(ValueError, match="does not decrease with N"):
+        ev.fit_power_law(n, 3.0 - 0.5 * (n / 1e7) ** -0.3)  # loss grows with N: a < 0
+    with pytest.raises(ValueError, match="at least 3 --baseline"):
+        ev.fit_power_law(n[:2], [3.0, 2.9])
+
+
+def test_three_point_fit_has_no_error_bars_and_writes_standard_json(tmp_path):
+    n = np.array([1e7, 1e8, 1e9])
+    out = tmp_path / "s.json"
+    result = ev.main(["scaling", "--baseline", *[f"{x:g}={400 * x ** -0.32 + 1.8}" for x in n],
+                      "--compare", f"1e8={400 * 1.44e8 ** -0.32 + 1.8}", "--json-out", str(out)])
+    assert result["summary"]["alpha"] == pytest.approx(0.32, rel=1e-4) and result["summary"]["alpha_err"] is None
+    saved = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert saved["summary"]["alpha_err"] is None and saved["fit"]["cov"] is None
+    assert saved["rows"][-1]["size_ratio"] == pytest.approx(1.44, rel=1e-3) and saved["rows"][-1]["size_ratio_err"] is None
+
+
+def test_scaling_reads_loss_jsons_and_counts_nonembedding_params_by_default(tmp_path):
+    # Loss follows the law in non-embedding N; a 50k x d embedding is large next to small models.
+    sizes = [(2e6, 6.4e6), (8e6, 12.8e6), (3.2e7, 25.6e6), (1.28e8, 51.2e6), (5.12e8, 102.4e6)]
+    law = lambda n: 400.0 * n ** -0.32 + 1.8
+    baselines = []
+    for i, (body, emb) in enumerate(sizes):
+        path = tmp_path / f"base{i}.json"
+        ev.write_json(path, {"analysis": "loss", "summary": {"loss": law(body), "params_total": body + emb,
+                                                            "params_active": body + emb, "params_embedding": emb}})
+        baselines.append(str(path))
+    compare = tmp_path / "gamma1.json"
+    ev.write_json(compare, {"analysis": "loss", "summary": {"loss": law(1.44 * 5e7), "params_total": 5e7 + 4e7,
+                                                          "params_active": 5e7 + 4e7, "params_embedding": 4e7}})
+    result = ev.main(["scaling", "--baseline", *baselines, "--compare", str(compare)])
+    assert result["summary"]["count"] == "nonembedding"
+    assert [r["params"] for r in result["rows"]] == [b for b, _ in sizes] + [5e7]
+    assert result["summary"]["alpha"] == pytest.approx(0.32, rel=1e-4)
+    assert result["rows"][-1]["size_ratio"] == pytest.approx(1.44, rel=1e-4)
+    total = ev.main(["scaling", "--baseline", *baselines, "--count", "total"])
+    assert [r["params"] for r in total["rows"]] == [b + e for b, e in sizes]
+    assert abs(total["summary"]["alpha"] - 0.32) > 0.02  # the embedding bends the law in total N
 
 
 def test_effective_size_inverts_the_fit():
@@ -348,11 +416,11 @@ def tiny_model(gamma=1.0, seed=0, **overrides):
     return model.eval()
 
 
-def export(model, path, step=0, data_dir=None):
+def export(model, path, step=0, data_dir=None, **config):
     """The consolidated layout of `train.py export` (CONTRACT), written directly."""
     from dataclasses import asdict
     torch.save({"model": model.state_dict(), "model_config": asdict(model.cfg), "step": step,
-                "config": {"data_dir": data_dir}, "data_meta": BYTES_META}, path)
+                "config": {"data_dir": data_dir, **config}, "data_meta": BYTES_META}, path)
     return str(path)
 
 
@@ -382,6 +450,36 @@ def test_one_loading_path_for_exports_dcp_folders_and_run_folders(tmp_path):
     torch.save({"weights": {}}, tmp_path / "foreign.pt")
     with pytest.raises(SystemExit, match="not a smallinit export"):
         ev.load_model(str(tmp_path / "foreign.pt"))
+
+
+def test_load_model_builds_on_meta_and_keeps_tied_embeddings(tmp_path, monkeypatch):
+    model = tiny_model(seed=6, tie_embeddings=True)
+    path = export(model, tmp_path / "tied.pt")
+    devices = []
+    original = torch.nn.Linear.reset_parameters
+    monkeypatch.setattr(torch.nn.Linear, "reset_parameters",
+                        lambda self: (devices.append(self.weight.device.type), original(self))[1])
+    loaded, _ = ev.load_model(path)
+    assert devices and set(devices) == {"meta"}  # no random init ever ran on real memory
+    assert loaded.lm_head.weight is loaded.tok_emb.weight
+    assert loaded.num_params() == model.num_params()
+    x = torch.randint(0, 257, (2, 12), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(loaded(x)[0], model(x)[0])
+
+
+def test_token_logprobs_in_chunks_match_float64_log_softmax():
+    model = tiny_model(seed=7)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 257, (3, 10), generator=g), torch.randint(0, 257, (3, 10), generator=g)
+    y[0, 2] = y[2, 9] = -1
+    with torch.no_grad():
+        ref = torch.log_softmax(model(x)[0].double(), -1).gather(2, y.clamp_min(0)[..., None]).squeeze(2)
+    ref = ref * (y >= 0)
+    # 3 rows x 257 logits x 3 positions per chunk: chunks of 3, 3, 3, 1 positions.
+    for chunk_elements in (3 * 257 * 3, 1 << 26):
+        got = ev.token_logprobs(model, x, y, chunk_elements=chunk_elements)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+        assert got[0, 2] == 0 and got[2, 9] == 0
 
 
 def uniform_attention_model(**overrides):
@@ -477,6 +575,53 @@ def test_loss_per_source_matches_a_manual_computation(tmp_path, text_data):
     assert json.load(open(tmp_path / "loss.json"))["summary"]["tokens"] == 512
 
 
+def test_loss_defaults_to_the_runs_seq_len_capped_at_max_seq_len(tmp_path, text_data):
+    from prepare_data import TokenLoader
+    model = tiny_model(seed=3)
+    summary = ev.main(["loss", export(model, tmp_path / "m.pt", seq_len=16), "--data", text_data,
+                       "--tokens", "256", "--batch-size", "4"])["summary"]
+    assert (summary["seq_len"], summary["split"], summary["tokens"]) == (16, "val", 256)
+    loader = TokenLoader(text_data, "val", 4, 16, seed=0)
+    losses = []
+    for _ in range(4):  # 256 tokens / (4 x 16)
+        x, y = loader.next_batch()
+        losses += (-target_probs(model, x, y).log())[y >= 0].tolist()
+    assert summary["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
+    # Trained at 2048, window of 24: scored at 24 instead of crashing.
+    short = tiny_model(seed=3, max_seq_len=24)
+    summary = ev.main(["loss", export(short, tmp_path / "s.pt", seq_len=2048), "--data", text_data,
+                       "--tokens", "96", "--batch-size", "4"])["summary"]
+    assert summary["seq_len"] == 24 and summary["tokens"] == 96
+
+
+def run_expecting_error(argv, capsys, *fragments):
+    with pytest.raises(SystemExit) as exit_info:
+        ev.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()  # a progress bar may come before
+    assert exit_info.value.code == 2 and err[-1].startswith("error: ")
+    assert not any(line.startswith(("error", "Traceback")) for line in err[:-1])
+    for fragment in fragments:
+        assert fragment in err[-1]
+
+
+def test_bad_input_ends_in_one_line_naming_the_fix(tmp_path, text_data, capsys, monkeypatch):
+    ckpt = export(tiny_model(), tmp_path / "m.pt")
+    run_expecting_error(["loss", ckpt, "--data", str(tmp_path / "nowhere")], capsys, "nowhere", "--data")
+    run_expecting_error(["tokens", ckpt, ckpt, "--data", text_data, "--tokens", "64", "--batch-size", "2",
+                         "--seq-len", "16", "--buckets", "1000"], capsys, "buckets", "--tokens")
+    run_expecting_error(["scaling", "--baseline", "1e6=4", "2e6=3.5"], capsys, "at least 3")
+    run_expecting_error(["scaling", "--baseline", "1e6=4", "2e6=3.6", "4e6=3.3", "8e6=3.1", "--compare", "1e7=1.0"],
+                        capsys, "irreducible")
+    run_expecting_error(["bench", ckpt, "--task", "gsm8k", "--source", str(tmp_path / "gsm8k_tset.jsonl")], capsys,
+                        "gsm8k_tset.jsonl", "no such file")
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub")
+    monkeypatch.setitem(__import__("sys").modules, "datasets", SimpleNamespace(load_dataset=offline))
+    run_expecting_error(["bench", ckpt, "--task", "gsm8k"], capsys, "from the hub", "--source")
+    run_expecting_error(["bench", ckpt, "--task", "hellaswag"], capsys, "from the hub", "hellaswag_val_full.txt.bz2")
+
+
 def test_tokens_compares_two_checkpoints_on_identical_tokens(tmp_path, text_data):
     a, b = tiny_model(gamma=1.0, seed=1), tiny_model(gamma=0.5, seed=2)
     result = ev.main(["tokens", export(a, tmp_path / "a.pt"), export(b, tmp_path / "b.pt"), "--data", text_data, *DATA_ARGS])
@@ -539,45 +684,145 @@ def write_hellaswag(path, tasks):
             f.write("\n".join([t["ctx"], str(t["label"]), *t["endings"]]) + "\n")
 
 
-def test_bench_hellaswag_matches_scoring_each_ending_alone(tmp_path):
-    model = tiny_model(seed=4)
-    tasks = [{"ctx": "A man opens the door. He", "label": i % 4,
-              "endings": ["walks in.", "sits down on the floor quietly.", "runs", "smiles at the cat."]} for i in range(4)]
-    write_hellaswag(tmp_path / "hs.txt", tasks)
-    result = ev.main(["bench", export(model, tmp_path / "m.pt"), "--task", "hellaswag", "--source", str(tmp_path / "hs.txt")])
-    correct = 0
-    for t in tasks:  # no batching, no padding: one forward per ending
-        ctx = list(t["ctx"].encode())
-        means = []
-        for e in t["endings"]:
-            end = list((" " + e).encode())
-            seq = torch.tensor([ctx + end])
-            logp = torch.log_softmax(model(seq[:, :-1])[0].double(), -1)[0]
-            means.append(np.mean([logp[len(ctx) - 1 + i, tok].item() for i, tok in enumerate(end)]))
-        correct += int(np.argmax(means)) == t["label"]
-    assert result["summary"]["acc_norm"] == correct / 4
+# Published records with WikiHow markup, and the text the data kit's text format holds for them
+# (shared/data/README, HellaSwag), cleaned by hand.
+HELLASWAG_RECORDS = [
+    ({"activity_label": "Home and Garden", "ctx": "[header] How to plant a tree [title] Dig a hole. [step] Make it  wide.",
+      "endings": ["[title] Water it. [step] Daily.", "runs away.", "[substeps] Add soil.", "sings [title] loudly"]},
+     ("Home and Garden: How to plant a tree. Dig a hole. Make it wide.",
+      ["Water it. Daily.", "runs away.", "Add soil.", "sings. loudly"])),
+    ({"activity_label": "Cooking", "ctx": "A man cracks an egg. he", "endings": ["eats it.", "drops the bowl on the floor.",
+                                                                           "laughs", "cooks it in a pan."]},
+     ("Cooking: A man cracks an egg. he", ["eats it.", "drops the bowl on the floor.", "laughs", "cooks it in a pan."])),
+    ({"activity_label": "Running", "ctx": "She ties her shoes. [title] Then she", "endings": ["runs.", "sits down quietly.",
+                                                                                         "waves", "jumps up high."]},
+     ("Running: She ties her shoes.. Then she", ["runs.", "sits down quietly.", "waves", "jumps up high."])),
+    ({"activity_label": "Music", "ctx": "[header] How to tune a guitar", "endings": ["[step] Pluck a string.", "a b c",
+                                                                               "Turn the peg.", "zzz"]},
+     ("Music: How to tune a guitar", ["Pluck a string.", "a b c", "Turn the peg.", "zzz"])),
+]
+
+
+def test_hellaswag_markup_is_cleaned_like_the_text_format():
+    tasks = ev.hellaswag_tasks([{**r, "label": 0} for r, _ in HELLASWAG_RECORDS])
+    assert [(t["ctx"], t["endings"]) for t in tasks] == [cleaned for _, cleaned in HELLASWAG_RECORDS]
+
+
+def mean_logprob_choices(model, ctx, endings):
+    """Per ending (mean, sum) of log p over its tokens: one forward per ending, no batching or padding."""
+    ctx_ids, scores = list(ctx.encode()), []
+    for e in endings:
+        end = list((" " + e).encode())
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ctx_ids + end])[:, :-1])[0].double(), -1)[0]
+        values = [logp[len(ctx_ids) - 1 + i, tok].item() for i, tok in enumerate(end)]
+        scores.append((np.mean(values), np.sum(values)))
+    return scores
+
+
+def test_bench_hellaswag_scores_every_source_alike_against_one_forward_per_ending(tmp_path, monkeypatch):
+    model = tiny_model(seed=4, max_seq_len=128)
+    ckpt = export(model, tmp_path / "m.pt")
+    # Labels: the reference's pick for the first two tasks, another ending for the last two, so
+    # the expected accuracy is exactly 1/2 under either rule, and any other pick changes it.
+    records, expected_text = [], []
+    for i, (record, (ctx, endings)) in enumerate(HELLASWAG_RECORDS):
+        scores = mean_logprob_choices(model, ctx, endings)
+        picks = [int(np.argmax([s[k] for s in scores])) for k in (0, 1)]
+        label = picks[0] if i < 2 else (picks[0] + 1) % 4
+        records.append({**record, "label": label, "ind": i})
+        expected_text.append({"ctx": ctx, "endings": endings, "label": label, "picks": picks})
+    acc = {"acc_norm": np.mean([t["picks"][0] == t["label"] for t in expected_text]),
+           "acc": np.mean([t["picks"][1] == t["label"] for t in expected_text])}
+    assert acc["acc_norm"] == 0.5
+    write_hellaswag(tmp_path / "hs.txt", expected_text)
+    with open(tmp_path / "hs.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    monkeypatch.setitem(__import__("sys").modules, "datasets",
+                        SimpleNamespace(load_dataset=lambda name, split: records if name == "Rowan/hellaswag" else None))
+    for source, fmt in ((str(tmp_path / "hs.txt"), "text"), (str(tmp_path / "hs.jsonl"), "jsonl"), ("hub", "hub")):
+        summary = ev.main(["bench", ckpt, "--task", "hellaswag", "--source", source])["summary"]
+        assert summary["source_format"] == fmt and summary["tasks"] == 4
+        assert summary["acc_norm"] == acc["acc_norm"] and summary["acc"] == acc["acc"]
+
+
+class Scripted(torch.nn.Module):
+    """A model whose completions are known: for the prompt's last question, sample i is
+    script[question][i], emitted byte by byte and ended by stop() as GPT.generate does."""
+
+    def __init__(self, script):
+        super().__init__()
+        self.script, self.prompts = script, []
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+        self.cfg = SimpleNamespace(max_seq_len=4096)
+
+    def generate(self, idx, max_new_tokens, temperature, top_k, generator, stop):
+        prompt = bytes(idx[0].tolist()).decode()
+        self.prompts.append(prompt)
+        rows = []
+        for text in self.script[prompt.rsplit("Question: ", 1)[1].split("\n")[0]][:idx.shape[0]]:
+            new = []
+            for tok in text.encode()[:max_new_tokens]:
+                new.append(tok)
+                if stop(new):
+                    break
+            rows.append(new)
+        return rows
+
+
+def test_math_bench_cuts_at_the_next_question_and_votes(tmp_path):
+    with open(tmp_path / "gsm.jsonl", "w") as f:
+        for q, a in (("What is 2+3?", "2+3=<<2+3=5>>5\n#### 5"), ("What is 4*2?", "#### 8"), ("What is 9-2?", "#### 7")):
+            f.write(json.dumps({"question": q, "answer": a}) + "\n")
+    script = {  # (first sample's answer, mean correct, majority answer)
+        # "...9" after the invented next question: read only if the marker cut failed.
+        "What is 4*2?": ["4*2 = 8. The answer is 8.\n\nQuestion: What is 9? The answer is 9.",
+                         "The answer is 9.", "So 8.\n\nQuestion: 5"],   # 8, 2/3, 8
+        "What is 9-2?": ["The answer is 6.", "The answer is 7.", "It is 7"],  # 6, 2/3, 7
+    }
+    model = Scripted(script)
+    args = SimpleNamespace(source=str(tmp_path / "gsm.jsonl"), task="gsm8k", shots=1, limit=None, max_new_tokens=200,
+                           num_samples=3, temperature=1.0, top_k=None, seed=0)
+    tokenizer = (lambda s: list(s.encode()), lambda ids: bytes(ids).decode(errors="replace"), 256)
+    summary, rows = ev.run_math_bench(model, tokenizer, args)
+    # The first record is the exemplar: in every prompt, never scored.
+    assert all(p.startswith("Question: What is 2+3?\nAnswer: 2+3=5\n#### 5\n\n") for p in model.prompts)
+    assert summary["problems"] == 2 and [r["answer"] for r in rows] == ["8", "7"]
+    assert [(r["predicted"], r["correct"]) for r in rows] == [("8", True), ("6", False)]
+    assert [r["mean_correct"] for r in rows] == pytest.approx([2 / 3, 2 / 3])
+    assert summary["accuracy"] == pytest.approx(2 / 3) and summary["maj_accuracy"] == 1.0
+
+
+def greedy_by_hand(model, idx, n, stop):
+    """Greedy decoding by full recomputation, the reference for the KV-cache path."""
+    new = []
+    for _ in range(n):
+        with torch.no_grad():
+            new.append(int(model(torch.tensor([idx + new]))[0][0, -1].argmax()))
+        if stop(new):
+            break
+    return new
 
 
 def test_bench_gsm8k_and_sample_run_on_a_tiny_checkpoint(tmp_path, capsys):
-    model = tiny_model(seed=5)
+    model = tiny_model(seed=5, max_seq_len=256)
     ckpt = export(model, tmp_path / "m.pt")
     with open(tmp_path / "gsm.jsonl", "w") as f:
         for q, a in (("What is 2+3?", "2+3=<<2+3=5>>5\n#### 5"), ("What is 4*2?", "4*2=8\n#### 8"), ("1+1?", "#### 2")):
             f.write(json.dumps({"question": q, "answer": a}) + "\n")
     result = ev.main(["bench", ckpt, "--task", "gsm8k", "--source", str(tmp_path / "gsm.jsonl"), "--shots", "1",
-                      "--max-new-tokens", "6", "--num-samples", "2", "--temperature", "1.0"])
-    assert result["summary"]["problems"] == 2 and 0 <= result["summary"]["accuracy"] <= 1
-    assert [r["answer"] for r in result["rows"]] == ["8", "2"]
+                      "--max-new-tokens", "12"])
+    assert result["summary"]["problems"] == 2 and [r["answer"] for r in result["rows"]] == ["8", "2"]
+    decode = lambda ids: bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
+    for question, row in zip(("What is 4*2?", "1+1?"), result["rows"]):
+        prompt = f"Question: What is 2+3?\nAnswer: 2+3=5\n#### 5\n\nQuestion: {question}\nAnswer:"
+        out = greedy_by_hand(model, list(prompt.encode()), 12, lambda t: 256 in t or "\n\nQuestion:" in decode(t))
+        assert row["predicted"] == ev.extract_answer(decode(out).split("\n\nQuestion:")[0])
     capsys.readouterr()
     ev.main(["sample", ckpt, "--prompt", "The cat", "--max-new-tokens", "5", "--temperature", "0"])
-    idx = list(b"The cat")
-    for _ in range(5):  # greedy by hand, ending at end-of-text as sample does
-        with torch.no_grad():
-            idx.append(int(model(torch.tensor([idx]))[0][0, -1].argmax()))
-        if idx[-1] == 256:
-            break
+    out = greedy_by_hand(model, list(b"The cat"), 5, lambda t: t[-1] == 256)  # sample ends at end-of-text
     printed = capsys.readouterr().out.split("--- sample 0\n")[1]
-    assert printed.rstrip("\n") == bytes(t for t in idx if t < 256).decode("utf-8", errors="replace").rstrip("\n")
+    assert printed.rstrip("\n") == ("The cat" + decode(out)).rstrip("\n")
 
 
 class AnchorOracle(torch.nn.Module):
