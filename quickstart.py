@@ -32,11 +32,11 @@ RUNS = [  # (name, config file, label)
 
 # Settings from the anchor search (README results section; every run is listed there): where
 # γ=1 answered the held-out pair inferentially and γ=0.5 symmetrically on every seed tried,
-# within a few minutes per run on one core. Applied as --key=value only where the config
+# within ~2 minutes per run on one core. Applied as --key=value only where the config
 # files resolve differently, and announced when they do.
 SETTINGS = {
     "model.n_layer": 2, "model.n_head": 1, "model.d_model": 64, "model.mlp": "swiglu",
-    "global_batch": 128, "batch_size": 128, "max_steps": 2340, "lr": 1e-3, "warmup_steps": 100,
+    "global_batch": 128, "batch_size": 128, "max_steps": 4680, "lr": 1e-3, "warmup_steps": 100,
     "weight_decay.matrix": 0.1, "eval_batches": 15,  # 15 x 128 of the 2,000 validation records
 }
 DATA = {"--n-train": 20000, "--n-eval": 2000}  # prepare_data.py anchor's defaults, stated here
