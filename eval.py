@@ -882,7 +882,7 @@ def run_math_bench(model, tokenizer, args):
         per_problem.append({"answer": rec["answer"], "predicted": answers[0], "correct": hits[0],
                             "mean_correct": float(np.mean(hits)), "majority_correct": answers_match(majority, rec["answer"])})
     summary = {"task": args.task, "problems": len(per_problem), "shots": args.shots,
-               "exemplars": f"records 1-{args.shots} of the source, not scored; scoring starts at record {args.shots + 1}",
+               "exemplars": f"the first {args.shots} records of --source, excluded from scoring",
                "accuracy": float(np.mean([p["mean_correct"] for p in per_problem])),
                "temperature": args.temperature, "num_samples": args.num_samples}
     if args.num_samples > 1:
@@ -974,7 +974,9 @@ def run_scaling(args):
         n_eff, err = effective_size(p["loss"], fit)
         rows.append({**p, "role": "compare", "effective_params": n_eff, "size_ratio": n_eff / p["params"],
                      "size_ratio_err": None if err is None else err / p["params"]})
-    summary = {"count": args.count, **{k: fit[k] for k in ("a", "alpha", "alpha_err", "c", "c_err", "rmse")}}
+    # N=loss literals are taken as given; --count says how loss JSONs were read.
+    count = args.count if any("=" not in spec for spec in args.baseline + args.compare) else "as given"
+    summary = {"count": count, **{k: fit[k] for k in ("a", "alpha", "alpha_err", "c", "c_err", "rmse")}}
     ratios = [r["size_ratio"] for r in rows if r["role"] == "compare"]
     if ratios:
         summary["mean_size_ratio"] = float(np.mean(ratios))
@@ -1081,11 +1083,13 @@ def build_parser():
     p.add_argument("--attn-gate", default="none")
     p = command("bench", run_bench, "HellaSwag, GSM8K, MATH-500 or the anchor task", data=True)
     p.add_argument("--task", required=True, choices=["hellaswag", "gsm8k", "math500", "anchor"])
-    p.add_argument("--source", default="hub", help="local file in its published format "
-                   "(e.g. gsm8k test.jsonl, hellaswag_val_full.txt.bz2), or 'hub' on a connected machine")
+    p.add_argument("--source", default="hub", help="local file in its published format (e.g. gsm8k test.jsonl, "
+                   "hellaswag_val_full.txt.bz2 or hellaswag_val.jsonl), or 'hub' on a connected machine")
     p.add_argument("--tokenizer-dir", help="offline tokenizer files (prepare_data.py --tokenizer-dir)")
-    p.add_argument("--limit", type=int, default=None, help="score only the first N items")
-    p.add_argument("--shots", type=int, default=4)
+    p.add_argument("--limit", type=int, default=None,
+                   help="score only the first N items (gsm8k/math500: the N after the --shots exemplars)")
+    p.add_argument("--shots", type=int, default=4,
+                   help="gsm8k/math500: the first SHOTS records of --source are the exemplars and are not scored")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None)
@@ -1115,7 +1119,9 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         result = args.func(args)
-    except (ValueError, FileNotFoundError) as e:  # bad input: one line with the fix, no traceback
+    except (ValueError, FileNotFoundError, SystemExit) as e:  # bad input: one line with the fix, no traceback
+        if isinstance(e, SystemExit) and not isinstance(e.code, str):
+            raise  # an exit status, not a message
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     if result is None:

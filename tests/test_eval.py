@@ -607,6 +607,7 @@ def run_expecting_error(argv, capsys, *fragments):
 def test_bad_input_ends_in_one_line_naming_the_fix(tmp_path, text_data, capsys, monkeypatch):
     ckpt = export(tiny_model(), tmp_path / "m.pt")
     run_expecting_error(["loss", ckpt, "--data", str(tmp_path / "nowhere")], capsys, "nowhere", "--data")
+    run_expecting_error(["loss", str(tmp_path / "nothing.pt"), "--data", text_data], capsys, "nothing.pt")
     run_expecting_error(["tokens", ckpt, ckpt, "--data", text_data, "--tokens", "64", "--batch-size", "2",
                          "--seq-len", "16", "--buckets", "1000"], capsys, "buckets", "--tokens")
     run_expecting_error(["scaling", "--baseline", "1e6=4", "2e6=3.5"], capsys, "at least 3")
