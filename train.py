@@ -124,8 +124,12 @@ def _set(cfg, key, value, where):
                 raise _unknown(f"{head}.{k}", [f"{head}.{d}" for d in default], where)
             value[k] = _check_type(f"{head}.{k}", v, default[k])
         cfg[head] = {**cfg[head], **value}
-    elif item:  # free-form dicts (model, init_overrides) are checked by GPTConfig / init.py
-        cfg[head] = {**cfg[head], **value}
+    elif item or (type(default) is dict and where == "the command line"):
+        # Free-form dicts (model, init_overrides) are checked by GPTConfig / init.py. From the
+        # command line they merge: --model={'attn_gate': 'none'} must not silently drop the
+        # config file's doc_mask or max_seq_len. A config file's `model = dict(...)` replaces,
+        # as the Python says (use model.update(...) there to merge).
+        cfg[head] = {**cfg[head], **_check_type(head, value, default)}
     else:
         cfg[head] = _check_type(head, value, default)
 
@@ -171,12 +175,27 @@ def validate(cfg):
     if cfg["attn_backend"] not in ("auto", "flex", "sdpa", "eager"):
         raise SystemExit(f"config: attn_backend={cfg['attn_backend']!r}: choose auto, flex, sdpa or eager")
     for key in ("seq_len", "global_batch", "batch_size", "max_steps", "log_interval",
-                "eval_interval", "ckpt_interval", "keep_last"):
+                "eval_interval", "eval_batches", "ckpt_interval", "keep_last"):
         if cfg[key] < 1:
             raise SystemExit(f"config: {key}={cfg[key]} must be >= 1")
+    for key in ("warmup_steps", "keep_every", "dry_run", "peak_flops", "grad_clip", "adam_eps"):
+        if cfg[key] < 0:
+            raise SystemExit(f"config: {key}={cfg[key]} must be >= 0")
     if not cfg["warmup_steps"] < cfg["max_steps"]:
         raise SystemExit(f"config: warmup_steps={cfg['warmup_steps']} must be < max_steps={cfg['max_steps']}")
-    model_config(cfg, "cpu")  # unknown size / GPTConfig field / bad value fails here, no GPU needed
+    if not cfg["lr"] > 0:
+        raise SystemExit(f"config: lr={cfg['lr']} must be > 0")
+    for key in ("min_lr_ratio", "decay_frac"):
+        if not 0 <= cfg[key] <= 1:
+            raise SystemExit(f"config: {key}={cfg[key]} must be between 0 and 1")
+    if len(cfg["betas"]) != 2 or not all(0 <= b < 1 for b in cfg["betas"]):
+        raise SystemExit(f"config: betas={cfg['betas']} must be two numbers in [0, 1), e.g. (0.9, 0.95)")
+    if any(v < 0 for v in cfg["weight_decay"].values()):
+        raise SystemExit(f"config: weight_decay={cfg['weight_decay']} must be >= 0 in every group")
+    mcfg = model_config(cfg, "cpu")  # unknown size / GPTConfig field / bad value fails here, no GPU needed
+    if cfg["seq_len"] > mcfg.max_seq_len:
+        raise SystemExit(f"config: seq_len={cfg['seq_len']} > the model's max_seq_len={mcfg.max_seq_len}: "
+                         f"lower seq_len or set --model.max_seq_len={cfg['seq_len']}")
 
 
 def model_config(cfg, device_type):
@@ -215,17 +234,17 @@ def lr_at(cfg, step):
 def setup_distributed():
     """torchrun -> its process group; plain python -> a 1-rank group (same code path)."""
     cuda = torch.cuda.is_available()
-    backend = "nccl" if cuda else "gloo"
-    if "RANK" in os.environ:
-        dist.init_process_group(backend)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        return rank, world, torch.device("cuda", local)
-    return rank, world, torch.device("cpu")
+        # Bound before the process group exists, and named to it, so NCCL never guesses the
+        # device (a guessed device 0 on every rank hangs or crowds one GPU).
+        torch.cuda.set_device(device)
+    kwargs = {"device_id": device} if cuda else {}
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if cuda else "gloo", **kwargs)
+    else:
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    return dist.get_rank(), dist.get_world_size(), device
 
 
 def build_model(cfg, mcfg, device):
@@ -268,10 +287,24 @@ def make_optimizer(net, cfg, device):
 
 # ----------------------------------------------------------------------------- checkpoints
 def checkpoints(out_dir):
-    """Complete checkpoints, oldest first. Only renamed folders count: a run killed while
-    saving leaves a tmp_ folder, never a ckpt_ folder."""
+    """Complete checkpoints, oldest first. Only renamed folders holding DCP's index and our
+    meta.json count: a run killed while saving leaves a tmp_ folder, never a ckpt_ folder, and a
+    filesystem whose rename is a copy (FUSE object stores) can't pass off a partial one."""
     found = glob.glob(os.path.join(out_dir, "ckpt_*", "meta.json"))
-    return sorted(os.path.dirname(p) for p in found)
+    return sorted(os.path.dirname(p) for p in found if os.path.exists(os.path.join(os.path.dirname(p), ".metadata")))
+
+
+# Settings that may change between a checkpoint and its resumption: how the same model is run.
+RUNTIME_MODEL_FIELDS = {"attn_backend", "activation_checkpointing", "moe_impl"}
+
+
+def check_resumable(path, mcfg):
+    saved = read_json(os.path.join(path, "meta.json"))["model_config"]
+    changed = [f"{k} {saved.get(k)!r} there, {v!r} now" for k, v in asdict(mcfg).items()
+               if k not in RUNTIME_MODEL_FIELDS and saved.get(k) != v]
+    if changed:
+        raise SystemExit(f"{path} holds a different model ({'; '.join(changed)}): resume with its settings "
+                         f"or choose another out_dir")
 
 
 def save_checkpoint(cfg, step, net, opt, loader, meta):
@@ -282,7 +315,10 @@ def save_checkpoint(cfg, step, net, opt, loader, meta):
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     # RNG streams differ per rank, so they can't be DCP entries (which are deduplicated).
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-    torch.save(rng, os.path.join(tmp, f"rng_rank{rank}.pt"))
+    with open(os.path.join(tmp, f"rng_rank{rank}.pt"), "wb") as f:
+        torch.save(rng, f)
+        f.flush()
+        os.fsync(f.fileno())
     dist.barrier()  # every rank's shards are on disk before the folder becomes visible
     if rank == 0:
         write_json(os.path.join(tmp, "meta.json"), {
@@ -303,7 +339,10 @@ def load_checkpoint(path, net, opt, loader):
     dcp.load(state, checkpoint_id=path)  # DCP reshards when the world size changed
     set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     meta = read_json(os.path.join(path, "meta.json"))
-    loader.load_state_dict(meta["data_state"])
+    try:
+        loader.load_state_dict(meta["data_state"])
+    except ValueError as e:
+        raise SystemExit(f"resume from {path}: {e}")
     rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
     if meta["world_size"] == dist.get_world_size():
         rng = torch.load(rng_file, weights_only=False)
@@ -315,6 +354,9 @@ def load_checkpoint(path, net, opt, loader):
 
 def export(ckpt_dir, out_file):
     """DCP folder -> one torch.save file with the full fp32 model; no process group needed."""
+    if not os.path.isfile(os.path.join(ckpt_dir, "meta.json")):
+        raise SystemExit(f"export: {ckpt_dir} is not a complete checkpoint folder (no meta.json); "
+                         f"pass an out_dir/ckpt_XXXXXXXX folder")
     meta = read_json(os.path.join(ckpt_dir, "meta.json"))
     with torch.device("meta"):
         net = GPT(GPTConfig(**meta["model_config"]))
@@ -333,6 +375,8 @@ def export(ckpt_dir, out_file):
 def write_json(path, obj):
     with open(path + ".tmp", "w") as f:
         json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())  # a checkpoint's meta.json must not outlive a power loss half-written
     os.replace(path + ".tmp", path)
 
 
@@ -346,6 +390,7 @@ def memory_estimate(net, mcfg, cfg, world, accum):
     """Bytes per GPU on CUDA (bf16 compute), roughly: sharded fp32 state + gathered blocks +
     activations + logits."""
     n = sum(p.numel() for p in net.parameters())
+    compiled = cfg["compile"]
     embed = sum(p.numel() for name, p in net.named_parameters() if name.startswith(("tok_emb.", "lm_head.")))
     per_block = (n - embed) / mcfg.n_layer
     act = 2  # bytes per bf16 activation value
@@ -354,15 +399,18 @@ def memory_estimate(net, mcfg, cfg, world, accum):
         "params+grads+adam (fp32, sharded)": 16 * n / world,
         # root params (embeddings/head) and ~2 blocks (current + prefetched) all-gathered
         "gathered params": act * (embed + 2 * per_block),
-        # Korthikanti et al.'s ~17 values per token and d_model per layer (no T x T scores:
-        # flex/sdpa are fused); with checkpointing only each block's input is kept, plus one
-        # block recomputed at a time.
-        "activations": act * tokens * mcfg.d_model * (
-            mcfg.n_layer + 17 if mcfg.activation_checkpointing else 17 * mcfg.n_layer),
-        "logits (+fp32 loss copy, grads)": tokens * mcfg.vocab_size * (act + 4 + 4),
+        # Bytes saved for backward per token, d_model and layer (no T x T scores: flex/sdpa are
+        # fused): ~34 with compiled blocks (Korthikanti et al.'s ~17 bf16 values), ~61 eager
+        # (measured on this model). With checkpointing each block keeps its input, plus one
+        # block's activations while it is recomputed.
+        "activations": tokens * mcfg.d_model * (
+            act * mcfg.n_layer + (34 if compiled else 61) if mcfg.activation_checkpointing
+            else (34 if compiled else 61) * mcfg.n_layer),
+        # bf16 logits, their fp32 copy for the loss, and fp32 softmax + gradient in its backward
+        "logits (+fp32 loss copy, grads)": tokens * mcfg.vocab_size * (act + 4 + 4 + 4),
     }
-    if accum > 1:  # gradients stay unsharded between micro-steps (no reduce-scatter until the last)
-        parts["unsharded grads (accumulation)"] = act * n
+    if accum > 1:  # with sync off FSDP2 keeps unsharded fp32 gradients between micro-steps
+        parts["unsharded grads (accumulation)"] = 4 * n
     return parts
 
 
@@ -373,7 +421,12 @@ def matmul_peak(cfg, device):
     if cfg["peak_flops"]:
         return cfg["peak_flops"]
     if device.type == "cuda":
-        return 989e12 if re.search(r"H100|H200", torch.cuda.get_device_name(device)) else 0.0
+        name = torch.cuda.get_device_name(device)
+        if "H100" in name and "PCIe" in name:
+            return 756e12
+        if "H100" in name and "NVL" in name:
+            return 835e12
+        return 989e12 if re.search(r"H100|H200", name) else 0.0  # SXM parts
     a = torch.randn(512, 512)
     a @ a  # warm-up
     start, n = time.perf_counter(), 0
@@ -472,7 +525,11 @@ def train(cfg):
         raise SystemExit(f"config: model.eot_id={mcfg.eot_id} but {cfg['data_dir']} ends documents with "
                          f"{data_meta['eot_id']}: set --model.eot_id={data_meta['eot_id']}")
     out = cfg["out_dir"]
-    done = checkpoints(out)
+    # Rank 0 lists the checkpoints and tells the others: on a shared filesystem another node's
+    # stale directory cache could otherwise pick a different one (or none) and hang the job.
+    listing = [checkpoints(out) if rank == 0 else None]
+    dist.broadcast_object_list(listing, src=0)
+    done = listing[0]
     if done and not cfg["resume"]:
         raise SystemExit(f"{out} already holds checkpoints ({os.path.basename(done[-1])}); "
                          f"pass --resume=True or choose another out_dir")
@@ -492,6 +549,7 @@ def train(cfg):
             shutil.rmtree(stale)  # left by a run killed while saving
     dist.barrier()
     if done:
+        check_resumable(done[-1], mcfg)
         meta = load_checkpoint(done[-1], net, opt, loader)
         step = meta["step"]
         log0(f"resumed from {done[-1]} at step {step}")
@@ -539,6 +597,7 @@ def train(cfg):
         n_total = (y != -1).sum().to(device)
         dist.all_reduce(n_total)  # loss tokens in the global batch
         loss_sum = torch.zeros((), device=device)
+        aux_sum = torch.zeros((), device=device)  # MoE balance loss, averaged like the LM loss
         for m, (xb, yb) in enumerate(zip(x.split(cfg["batch_size"]), y.split(cfg["batch_size"]))):
             # FSDP2: reduce-scatter gradients only after the last micro-step.
             net.set_requires_gradient_sync(m == accum - 1)
@@ -551,7 +610,10 @@ def train(cfg):
             share = (yb != -1).sum().to(device) / n_total
             (loss * share * world).backward()
             loss_sum += loss.detach() * share
+            if net.aux_loss is not None:
+                aux_sum += net.aux_loss / (accum * world)
         dist.all_reduce(loss_sum)
+        dist.all_reduce(aux_sum)
         grads = [p.grad for p in net.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)
         if isinstance(norm, DTensor):
@@ -576,7 +638,7 @@ def train(cfg):
                    "eta_s": eta, "tokens": step * tokens_step}
             if moe_counts is not None:
                 load = moe_counts.float() / moe_counts.sum(-1, keepdim=True) * moe_counts.shape[-1]
-                row.update(expert_load=load.tolist(), aux_loss=net.aux_loss.item())
+                row.update(expert_load=load.tolist(), aux_loss=aux_sum.item())
             mfu = f"{row['mfu']:.1%}" if peak else "n/a"
             moe = f" expert load max {load.max():.2f} aux {row['aux_loss']:.3g}" if moe_counts is not None else ""
             log0(f"step {step}/{cfg['max_steps']} loss {loss_val:.4f} lr {lr:.3g} grad norm {norm_val:.3g} "
@@ -602,8 +664,14 @@ def truncate_metrics(path, step):
     """On resume, drop rows the killed run wrote after its last checkpoint: they are redone."""
     if not os.path.exists(path):
         return
+    rows = []
     with open(path) as f:
-        rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        for line in f:
+            try:
+                if json.loads(line)["step"] <= step:
+                    rows.append(line)
+            except (json.JSONDecodeError, KeyError):
+                pass  # the half-written last row of a killed run
     with open(path + ".tmp", "w") as f:
         f.writelines(rows)
     os.replace(path + ".tmp", path)

@@ -4,8 +4,4 @@
 include("gamma1_1p5b.py")
 out_dir = "out/gamma1_moe1p5b"
 model_size = "moe-1.5b"
-global_batch = 512
-batch_size = 8
-lr = 0.0003
-warmup_steps = 2000
 max_steps = 19_073

@@ -54,3 +54,29 @@ def test_bf16_grouped_experts_match_the_reference_loop():
     assert torch.allclose(x_g.grad.float(), x_r.grad.float(), atol=5e-2, rtol=5e-2)
     for (name, pg), pr in zip(grouped.named_parameters(), reference.parameters()):
         assert torch.allclose(pg.grad.float(), pr.grad.float(), atol=5e-2, rtol=5e-2), name
+
+
+def test_train_py_on_the_gpu_compiled_flex_bf16_then_export(tmp_path):
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "a.txt").write_text("\n\n".join(f"document {i}: " + "the cat sat on the mat. " * 40
+                                                        for i in range(400)))
+    data, out = tmp_path / "bytes", tmp_path / "run"
+    subprocess.run([sys.executable, "prepare_data.py", "text", "--out", str(data), "--source",
+                    f"en={tmp_path / 'txt'}", "--tokenizer", "bytes"], cwd=root, check=True, capture_output=True)
+    run = subprocess.run([sys.executable, "train.py", "--model_size=tiny", f"--data_dir={data}", f"--out_dir={out}",
+                          "--seq_len=128", "--global_batch=8", "--batch_size=4", "--max_steps=6", "--warmup_steps=2",
+                          "--eval_interval=3", "--ckpt_interval=3", "--eval_batches=1", "--compile=True",
+                          "--model={'doc_mask': True, 'eot_id': 256, 'max_seq_len': 128}"],
+                         cwd=root, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "mfu" in run.stdout and "saved" in run.stdout
+    export = subprocess.run([sys.executable, "train.py", "export", str(out / "ckpt_00000006"), str(tmp_path / "m.pt")],
+                            cwd=root, capture_output=True, text=True)
+    assert export.returncode == 0, export.stderr[-3000:]
+    blob = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert blob["model_config"]["attn_backend"] == "flex"
+    assert all(v.dtype == torch.float32 for v in blob["model"].values() if v.is_floating_point())

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -89,6 +90,9 @@ def test_config_defaults_files_and_overrides(tmp_path):
     assert cfg["compile"] is True and cfg["betas"] == (0.9, 0.99)
     assert train.load_config(["--lr=1"])["lr"] == 1.0  # an int where a float is expected is fine
     assert train.load_config([])["lr"] == train.DEFAULTS["lr"]  # defaults are not mutated
+    # A whole dict from the command line merges too: the file's other model settings survive.
+    merged = train.load_config([str(cfg_file), "--model={'attn_gate': 'headwise'}"])
+    assert merged["model"] == {"norm_eps": 1e-5, "attn_gate": "headwise"}
 
 
 @pytest.mark.parametrize("args, message", [
@@ -103,6 +107,13 @@ def test_config_defaults_files_and_overrides(tmp_path):
     (["--model_size=2b"], "unknown model size '2b'"),
     (["--model.d_model=100", "--model.n_head=3"], "divisible"),
     (["--warmup_steps=10", "--max_steps=10"], "warmup_steps=10 must be < max_steps=10"),
+    (["--seq_len=2048"], "seq_len=2048 > the model's max_seq_len=1024"),
+    (["--eval_batches=0"], "eval_batches=0 must be >= 1"),
+    (["--decay_frac=1.5"], "decay_frac=1.5 must be between 0 and 1"),
+    (["--lr=0.0"], "lr=0.0 must be > 0"),
+    (["--betas=(0.9,)"], "betas=(0.9,) must be two numbers"),
+    (["--weight_decay.matrix=-0.1"], "must be >= 0 in every group"),
+    (["--grad_clip=-1.0"], "grad_clip=-1.0 must be >= 0"),
     (["no_such_config.py"], "no such config file"),
 ])
 def test_config_errors(args, message):
@@ -156,8 +167,11 @@ def test_shipped_config_dry_run(path, capsys):
     assert plan["params"]["total"] == expected_params(mcfg)
     assert plan["tokens_per_step"] == cfg["global_batch"] * cfg["seq_len"]
     assert "FLOPs/token" in capsys.readouterr().out
-    if not cpu_config:  # sized for one node of 80 GB GPUs
+    if not cpu_config:  # sized for one node of 80 GB GPUs, and as large as its name says
         assert plan["memory_bytes"] < 70 * 2**30
+        name = re.search(r"gamma[0-9]+_(moe)?([0-9p]+)b", os.path.basename(path))
+        billions = float(name.group(2).replace("p", "."))
+        assert abs(plan["params"]["total"] / (billions * 1e9) - 1) < 0.10, plan["params"]
         assert mcfg.max_seq_len >= cfg["seq_len"] and mcfg.attn_backend == "flex"
 
 
@@ -200,21 +214,38 @@ def test_loss_falls(data_dir, tmp_path):
         assert logged[name]["mean_abs_cos"] == pytest.approx(cos.mean(), rel=1e-6)
 
 
+def masked_copy(data_dir, out_dir, seed=0):
+    """The same data with a random loss mask over ~a third of the targets, in runs, so
+    micro-batches carry very different numbers of loss tokens (some none at all)."""
+    from prepare_data import read_shard, write_shard
+    shutil.copytree(data_dir, out_dir)
+    rng = np.random.default_rng(seed)
+    for path in glob.glob(os.path.join(out_dir, "*.bin")):
+        shard = read_shard(path)
+        runs = rng.random(len(shard.tokens) // 64 + 1) < 0.35
+        mask = np.repeat(runs, 64)[:len(shard.tokens)].astype(np.uint8)
+        write_shard(path, np.array(shard.tokens), np.array(shard.docs), mask)
+    return out_dir
+
+
 @pytest.fixture(scope="module")
 def moe_runs(data_dir, tmp_path_factory):
-    """The same MoE training (bias-balanced routing, so counts must be summed over ranks) as
-    1 process x 1 micro-batch of 4, 1 process x 4 micro-batches of 1, 2 ranks x 1 x 2."""
+    """The same MoE training (bias-balanced routing, so counts must be summed over ranks) on
+    unevenly loss-masked data, as 1 process x 1 micro-batch of 4, 1 process x 4 micro-batches
+    of 1, 2 ranks x 1 x 2, and 2 ranks x 2 micro-batches of 1 with activation checkpointing."""
     root = tmp_path_factory.mktemp("moe")
-    base = [*TINY, f"--data_dir={data_dir}", "--max_steps=10", "--ckpt_interval=5",
+    masked = masked_copy(data_dir, str(root / "masked"))
+    base = [*TINY, f"--data_dir={masked}", "--max_steps=10", "--ckpt_interval=5",
             "--model={'n_experts': 4, 'top_k': 2, 'moe_bias_rate': 0.05}"]
-    runs = {"1x4": (1, 4), "4x1": (1, 1), "fsdp2": (2, 2)}
-    for name, (nproc, batch) in runs.items():
-        run_train([*base, f"--out_dir={root / name}", f"--batch_size={batch}"], nproc=nproc)
+    runs = {"1x4": (1, 4, []), "4x1": (1, 1, []), "fsdp2": (2, 2, []),
+            "fsdp2_accum_ac": (2, 1, ["--model.activation_checkpointing=True"])}
+    for name, (nproc, batch, extra) in runs.items():
+        run_train([*base, f"--out_dir={root / name}", f"--batch_size={batch}", *extra], nproc=nproc)
     return root, base
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["4x1", "fsdp2"])
+@pytest.mark.parametrize("name", ["4x1", "fsdp2", "fsdp2_accum_ac"])
 def test_accumulation_and_fsdp_match_one_process(moe_runs, name):
     root, _ = moe_runs
     ref, got = rows(root / "1x4", "loss"), rows(root / name, "loss")
@@ -226,8 +257,12 @@ def test_accumulation_and_fsdp_match_one_process(moe_runs, name):
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-5), step
     assert rows(root / name, "val_loss")[10] == pytest.approx(rows(root / "1x4", "val_loss")[10], abs=1e-5)
-    loads = rows(root / name, "expert_load")
-    assert len(loads[10]) == 2 and all(sum(layer) == pytest.approx(4) for layer in loads[10])
+    # Expert loads are counted over the whole global batch (summed over ranks), so every
+    # split logs the single process's loads.
+    loads, ref_loads = rows(root / name, "expert_load"), rows(root / "1x4", "expert_load")
+    assert len(loads[10]) == 2
+    for layer, ref_layer in zip(loads[10], ref_loads[10]):
+        assert layer == pytest.approx(ref_layer, abs=1e-6)
 
 
 @pytest.mark.slow
@@ -321,3 +356,23 @@ def test_nan_guard_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
     assert max(rows(out, "loss")) == 12
     p = run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--resume=False"], ok=False)
     assert p.returncode == 1 and "already holds checkpoints (ckpt_00000012)" in p.stderr
+
+
+@pytest.mark.slow
+def test_resuming_a_different_model_is_a_one_line_error(moe_runs, tmp_path):
+    root, base = moe_runs
+    out = tmp_path / "other_model"
+    os.makedirs(out)
+    shutil.copytree(root / "1x4" / "ckpt_00000005", out / "ckpt_00000005")
+    p = run_train([*base, f"--out_dir={out}", "--model.n_experts=8"], ok=False)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert "holds a different model (n_experts 4 there, 8 now)" in p.stderr
+
+
+def test_half_written_metrics_row_and_missing_export_folder(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n{"step": 3, "lo')
+    train.truncate_metrics(str(path), 2)
+    assert path.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n'
+    with pytest.raises(SystemExit, match="not a complete checkpoint folder"):
+        train.export(str(tmp_path / "ckpt_00000099"), str(tmp_path / "x.pt"))
