@@ -334,13 +334,17 @@ def pick_choice(sums, counts, normalise=True):
 
 
 def hellaswag_accuracy(model, encode, tasks):
-    correct = {"acc_norm": 0, "acc": 0}
+    """({acc_norm, acc}, per task rows: label, both picks and each ending's mean log p)."""
+    rows = []
     for task in progress(tasks, len(tasks), "hellaswag"):
         # The ending follows the context after a space, as in the original evaluation.
         sums, counts = continuation_logprobs(model, encode(task["ctx"]), [encode(" " + e) for e in task["endings"]])
-        correct["acc_norm"] += pick_choice(sums, counts) == task["label"]
-        correct["acc"] += pick_choice(sums, counts, normalise=False) == task["label"]
-    return {k: v / len(tasks) for k, v in correct.items()}
+        rows.append({"label": task["label"], "pick_norm": pick_choice(sums, counts),
+                     "pick": pick_choice(sums, counts, normalise=False),
+                     "mean_logp": [s / n for s, n in zip(sums, counts)]})
+    accuracy = {"acc_norm": float(np.mean([r["pick_norm"] == r["label"] for r in rows])),
+                "acc": float(np.mean([r["pick"] == r["label"] for r in rows]))}
+    return accuracy, rows
 
 
 # ----------------------------------------------------------------------------- answer extraction (GSM8K, MATH)
@@ -904,9 +908,9 @@ def run_bench(args):
         tasks = tasks[:args.limit]
         encode = tokenizer_of(info, args.tokenizer_dir)[0]
         # Every format is scored on the text format's context (activity_label: ctx, markup cleaned).
-        summary = {"task": "hellaswag", "tasks": len(tasks), "source_format": source_format,
-                   **hellaswag_accuracy(model, encode, tasks)}
-        rows = []
+        accuracy, rows = hellaswag_accuracy(model, encode, tasks)
+        summary = {"task": "hellaswag", "tasks": len(tasks), "source_format": source_format, **accuracy}
+        rows = rows[:20]  # like gsm8k/math500: a sample of per-item rows, not thousands
     else:
         summary, rows = run_math_bench(model, tokenizer_of(info, args.tokenizer_dir), args)
     return {"analysis": "bench", "ckpt": args.ckpt, "summary": summary, "rows": rows}

@@ -205,8 +205,9 @@ def test_hellaswag_accuracy_on_a_bigram_that_knows_the_answers():
     tasks = [{"ctx": "x", "endings": ["aa", "bc", "zz", "q"], "label": 1},
              {"ctx": "y", "endings": ["bc", "a", "b", "dd"], "label": 0},
              {"ctx": "z", "endings": ["ab", "qq", "b", "bc"], "label": 2}]
-    acc = ev.hellaswag_accuracy(Bigram(p.log()), lambda s: [ord(ch) for ch in s], tasks)
+    acc, rows = ev.hellaswag_accuracy(Bigram(p.log()), lambda s: [ord(ch) for ch in s], tasks)
     assert acc == {"acc_norm": pytest.approx(2 / 3), "acc": pytest.approx(2 / 3)}
+    assert [r["pick_norm"] for r in rows] == [1, 0, 3]
 
 
 # ----------------------------------------------------------------------------- GSM8K / MATH answers
@@ -732,7 +733,7 @@ def test_bench_hellaswag_scores_every_source_alike_against_one_forward_per_endin
         picks = [int(np.argmax([s[k] for s in scores])) for k in (0, 1)]
         label = picks[0] if i < 2 else (picks[0] + 1) % 4
         records.append({**record, "label": label, "ind": i})
-        expected_text.append({"ctx": ctx, "endings": endings, "label": label, "picks": picks})
+        expected_text.append({"ctx": ctx, "endings": endings, "label": label, "picks": picks, "scores": scores})
     acc = {"acc_norm": np.mean([t["picks"][0] == t["label"] for t in expected_text]),
            "acc": np.mean([t["picks"][1] == t["label"] for t in expected_text])}
     assert acc["acc_norm"] == 0.5
@@ -742,9 +743,13 @@ def test_bench_hellaswag_scores_every_source_alike_against_one_forward_per_endin
     monkeypatch.setitem(__import__("sys").modules, "datasets",
                         SimpleNamespace(load_dataset=lambda name, split: records if name == "Rowan/hellaswag" else None))
     for source, fmt in ((str(tmp_path / "hs.txt"), "text"), (str(tmp_path / "hs.jsonl"), "jsonl"), ("hub", "hub")):
-        summary = ev.main(["bench", ckpt, "--task", "hellaswag", "--source", source])["summary"]
+        result = ev.main(["bench", ckpt, "--task", "hellaswag", "--source", source])
+        summary = result["summary"]
         assert summary["source_format"] == fmt and summary["tasks"] == 4
         assert summary["acc_norm"] == acc["acc_norm"] and summary["acc"] == acc["acc"]
+        # Each ending's score, not only the pick: a different context text would change them.
+        for row, task in zip(result["rows"], expected_text):
+            assert row["mean_logp"] == pytest.approx([m for m, _ in task["scores"]], rel=1e-5)
 
 
 class Scripted(torch.nn.Module):
