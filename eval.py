@@ -592,9 +592,7 @@ def load_model(path, device="cpu", attn_backend=None):
     # 1.5B it costs a minute and a full extra copy of the weights in host memory.
     with torch.device("meta"):
         model = GPT(GPTConfig(**info["model_config"]))
-    model.to_empty(device=device)
-    if model.cfg.tie_embeddings:  # to_empty gives each module its own tensor: re-share them
-        model.lm_head.weight = model.tok_emb.weight
+    model.to_empty(device=device)  # GPT.to_empty keeps tied embeddings tied
     model.reset_buffers()  # non-persistent buffers are not in the checkpoint
     if os.path.isfile(path):
         model.load_state_dict(blob["model"])

@@ -494,6 +494,14 @@ class GPT(nn.Module):
             logits, _ = self(next_token[:, None], kv_cache=cache)
         return new
 
+    def to_empty(self, *, device, recurse=True):
+        # Materialising meta tensors makes a new tensor per module, which silently unties a tied
+        # lm_head from the embedding (two parameters, twice the count): tie them again.
+        super().to_empty(device=device, recurse=recurse)
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        return self
+
     def set_attn_backend(self, name):
         if name not in ATTN_BACKENDS:
             raise ValueError(f"attn_backend={name!r}: choose one of {', '.join(ATTN_BACKENDS)}")

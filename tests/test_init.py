@@ -175,11 +175,17 @@ def test_meta_build_then_to_empty_matches_direct_build():
     assert all(torch.equal(sd[k], sm[k]) for k in sd)
 
 
-def test_tied_embeddings_are_drawn_once():
-    model = GPT(GPTConfig(vocab_size=100, n_layer=1, n_head=2, d_model=64, tie_embeddings=True))
+def test_tied_embeddings_are_drawn_once_and_stay_tied_after_a_meta_build():
+    cfg = GPTConfig(vocab_size=100, n_layer=1, n_head=2, d_model=64, tie_embeddings=True)
+    model = GPT(cfg)
     report = {r["name"]: r for r in init_model_(model)}
     assert report["lm_head.weight"]["action"] == "tied"
     assert model.lm_head.weight is model.tok_emb.weight
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    meta.to_empty(device="cpu")
+    assert meta.lm_head.weight is meta.tok_emb.weight
+    assert meta.num_params() == model.num_params()
 
 
 def _torchrun_init(nproc, out_path):
