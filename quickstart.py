@@ -30,10 +30,10 @@ RUNS = [  # (name, config file, label)
     ("gamma1", "config/anchor_gamma1.py", "γ=1 paper recipe"),
 ]
 
-# Settings from the anchor search (README results section; every run is listed there): where
-# γ=1 answered the held-out pair inferentially and γ=0.5 symmetrically on every seed tried,
-# within ~2 minutes per run on one core. Applied as --key=value only where the config
-# files resolve differently, and announced when they do.
+# Settings from the anchor search (README results section): where γ=1 answered the held-out
+# pair mostly inferentially and γ=0.5 mostly symmetrically on every seed tried, in ~2 minutes
+# per run on one free core. Applied as --key=value only where the config files resolve
+# differently, and announced when they do.
 SETTINGS = {
     "model.n_layer": 2, "model.n_head": 1, "model.d_model": 64, "model.mlp": "swiglu",
     "global_batch": 128, "batch_size": 128, "max_steps": 4680, "lr": 1e-3, "warmup_steps": 100,
