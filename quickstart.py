@@ -54,8 +54,7 @@ PROGRESS = re.compile(r"^step \d+")  # train.py's per-step and validation lines
 
 def config_overrides(config, wanted):
     """--key=value arguments for each wanted setting the config file resolves differently."""
-    sys.path.insert(0, ROOT)
-    from train import load_config
+    from train import load_config  # beside this script, so on sys.path when it runs
     cfg = load_config([os.path.join(ROOT, config)])
     args, notes = [], []
     for key, value in wanted.items():
