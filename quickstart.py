@@ -23,6 +23,8 @@ import sys
 import threading
 import time
 
+from prepare_data import usable_cores
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 RUNS = [  # (name, config file, label)
@@ -177,7 +179,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="init and data-order seed of both runs")
     # Two independent single-threaded trainings use two cores fully; one process with two
     # threads would not (the matrices are too small to split).
-    p.add_argument("--jobs", type=int, default=min(2, len(os.sched_getaffinity(0))),
+    p.add_argument("--jobs", type=int, default=min(2, usable_cores()),
                    help="trainings run at once (default: one per core, at most 2)")
     args = p.parse_args(argv)
     if args.jobs < 1:
