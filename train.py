@@ -81,6 +81,9 @@ track_weights = ["layers.0.attn.wq.weight", "layers.0.mlp.w_up.weight",
 ckpt_interval = 500
 keep_last = 2                   # checkpoints kept, newest first ...
 keep_every = 0                  # ... plus every keep_every-th step forever (0: none)
+# ... plus these steps, saved and kept whatever the interval: the "condense then expand"
+# trajectory (eval.py weights) happens early, e.g. [0, 100, 300, 1000, 3000]; 0 is the init.
+keep_steps = []
 peak_flops = 0.0                # per device for MFU; 0: 989e12 on H100/H200, else not reported
 dry_run = 0                     # N > 0: print the plan for N ranks and exit (no data, no GPU)
 debug_nan_step = 0              # test knob: poison the loss at this step (0: never)
@@ -181,6 +184,8 @@ def validate(cfg):
     for key in ("warmup_steps", "keep_every", "dry_run", "peak_flops", "grad_clip", "adam_eps"):
         if cfg[key] < 0:
             raise SystemExit(f"config: {key}={cfg[key]} must be >= 0")
+    if not all(type(s) is int and 0 <= s <= cfg["max_steps"] for s in cfg["keep_steps"]):
+        raise SystemExit(f"config: keep_steps={cfg['keep_steps']} must be whole steps between 0 and max_steps")
     if not cfg["warmup_steps"] < cfg["max_steps"]:
         raise SystemExit(f"config: warmup_steps={cfg['warmup_steps']} must be < max_steps={cfg['max_steps']}")
     if not cfg["lr"] > 0:
@@ -327,7 +332,7 @@ def save_checkpoint(cfg, step, net, opt, loader, meta):
         done = checkpoints(cfg["out_dir"])
         for old in done[:-cfg["keep_last"]]:
             old_step = int(os.path.basename(old)[5:])
-            if not (cfg["keep_every"] and old_step % cfg["keep_every"] == 0):
+            if not (cfg["keep_every"] and old_step % cfg["keep_every"] == 0) and old_step not in cfg["keep_steps"]:
                 shutil.rmtree(old)
     dist.barrier()
     return final
@@ -586,6 +591,9 @@ def train(cfg):
     last_ckpt = done[-1] if done else None
     if step == 0:
         evaluate_and_record()
+        if 0 in cfg["keep_steps"]:
+            last_ckpt = save_checkpoint(cfg, step, net, opt, loader, meta_common)
+            log0(f"saved {last_ckpt} (the init)")
     train_time, step_log, time_log = 0.0, step, 0.0  # training time only: no eval/checkpoints
     while step < cfg["max_steps"]:
         t0 = time.time()
@@ -647,7 +655,7 @@ def train(cfg):
             step_log, time_log = step, train_time
         if step % cfg["eval_interval"] == 0 or step == cfg["max_steps"]:
             evaluate_and_record()
-        if step % cfg["ckpt_interval"] == 0 or step == cfg["max_steps"]:
+        if step % cfg["ckpt_interval"] == 0 or step == cfg["max_steps"] or step in cfg["keep_steps"]:
             last_ckpt = save_checkpoint(cfg, step, net, opt, loader, meta_common)
             log0(f"saved {last_ckpt}")
     if metrics:

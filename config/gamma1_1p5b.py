@@ -50,3 +50,4 @@ eval_batches = 20            # 20 x 1M = 20M validation tokens
 ckpt_interval = 1000         # ~50 min at ~350k tokens/s: the most a crash can cost
 keep_last = 2
 keep_every = 2000            # trajectory for eval.py weights (each checkpoint ~18 GB: fp32 + Adam)
+keep_steps = [0, 100, 250, 500, 1000]  # the early, condensing phase (warmup ends at 2000)

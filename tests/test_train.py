@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import train
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, init_model_
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A tiny model and batch: each run is dominated by process start-up (~3 s).
@@ -114,6 +114,7 @@ def test_config_defaults_files_and_overrides(tmp_path):
     (["--betas=(0.9,)"], "betas=(0.9,) must be two numbers"),
     (["--weight_decay.matrix=-0.1"], "must be >= 0 in every group"),
     (["--grad_clip=-1.0"], "grad_clip=-1.0 must be >= 0"),
+    (["--keep_steps=[0, 5000]"], "keep_steps=[0, 5000] must be whole steps between 0 and max_steps"),
     (["no_such_config.py"], "no such config file"),
 ])
 def test_config_errors(args, message):
@@ -191,7 +192,17 @@ def test_config_pairs_differ_only_in_the_recipe():
 def test_loss_falls(data_dir, tmp_path):
     out = str(tmp_path / "run")
     run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=60", "--seq_len=64",
-               "--global_batch=16", "--batch_size=16", "--eval_interval=60", "--eval_batches=2"])
+               "--global_batch=16", "--batch_size=16", "--eval_interval=60", "--eval_batches=2",
+               "--ckpt_interval=20", "--keep_last=1", "--keep_steps=[0, 7]"])
+    # keep_last=1 removed steps 20 and 40; keep_steps kept the init and step 7.
+    assert sorted(os.listdir(out)) == ["ckpt_00000000", "ckpt_00000007", "ckpt_00000060", "config.json", "metrics.jsonl"]
+    init_path = str(tmp_path / "init.pt")
+    train.export(os.path.join(out, "ckpt_00000000"), init_path)
+    blob, at_init = load_export(init_path)
+    fresh = GPT(GPTConfig(**blob["model_config"]))
+    init_model_(fresh, gamma=blob["config"]["gamma"], seed=blob["config"]["seed"])
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(at_init.state_dict()[k], v), k
     loss, val = rows(out, "loss"), rows(out, "val_loss")
     saved = json.load(open(os.path.join(out, "config.json")))
     meta = json.load(open(os.path.join(out, "ckpt_00000060", "meta.json")))
