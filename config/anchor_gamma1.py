@@ -4,9 +4,9 @@
 #   python train.py config/anchor_gamma1.py
 # anchor_gamma05.py is the same run with the standard baseline; eval.py bench scores the
 # held-out pair (4,3): inferential (x-10) vs symmetric (x-6) answers.
-# Settings from the quickstart's search (README results): the smallest model where γ=1
-# answered the held-out pair mostly inferentially and γ=0.5 mostly symmetrically on every seed
-# tried (3 init seeds, 2 data seeds), ~2 minutes per run on one core.
+# Settings from the quickstart's search (README results): of the models tried, the smallest
+# where γ=1 answered the held-out pair mostly inferentially and γ=0.5 mostly symmetrically on
+# every seed (3 init seeds, 3 data seeds), ~2 minutes per run on one core.
 
 out_dir = "out/anchor_gamma1"
 data_dir = "data/anchor"
