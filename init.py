@@ -81,8 +81,6 @@ def classify(module, param_name, param, fan_in_dims=None, embedding_fan_in="embe
     if isinstance(module, nn.Linear) and param_name == "weight":
         return "normal", param.shape[1], "Linear (out, in)"
     if isinstance(module, nn.Embedding) and param_name == "weight":
-        if embedding_fan_in not in ("embedding_dim", "num_embeddings"):
-            raise ValueError(f"embedding_fan_in={embedding_fan_in!r}: use 'embedding_dim' or 'num_embeddings'")
         return "normal", getattr(module, embedding_fan_in), f"Embedding ({embedding_fan_in})"
     if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed and param_name == "weight":
         # (out, in/groups, *kernel): every input channel of every kernel tap feeds one output.
@@ -129,7 +127,9 @@ def gamma_init_(module, gamma=1.0, seed=0, overrides=None, fan_in_dims=None,
 
     Returns a list of rows {name, shape, d_in, gamma, std, action, reason}.
     """
-    report, seen, skipped = [], {}, []
+    if embedding_fan_in not in ("embedding_dim", "num_embeddings"):
+        raise ValueError(f"embedding_fan_in={embedding_fan_in!r}: use 'embedding_dim' or 'num_embeddings'")
+    report, seen = [], {}
     for module_name, mod in module.named_modules():
         for param_name, param in mod.named_parameters(recurse=False):
             name = clean_name(f"{module_name}.{param_name}" if module_name else param_name)
@@ -152,9 +152,8 @@ def gamma_init_(module, gamma=1.0, seed=0, overrides=None, fan_in_dims=None,
                 row.update(d_in=int(d_in), gamma=float(g), std=std)
             elif action in ("ones", "zeros"):
                 _fill_(param, torch.full(param.shape, 1.0 if action == "ones" else 0.0))
-            else:
-                skipped.append(name)
             report.append({**row, "action": action, "reason": reason})
+    skipped = [r["name"] for r in report if r["action"] == "skipped"]
     if skipped:
         warnings.warn(f"gamma_init_ left {len(skipped)} parameter(s) untouched (see the report): {', '.join(skipped)}")
     return report

@@ -235,8 +235,10 @@ def build_attention_mask(idx, cfg, backend, kv_cache=None):
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
+        # The model's config, shared by every layer: set_attn_backend changes them all at once.
+        self.cfg = cfg
         self.n_head, self.n_kv_head, self.head_dim, self.rope_theta = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.rope_theta
-        self.backend, self.gate = cfg.attn_backend, cfg.attn_gate
+        self.gate = cfg.attn_gate
         d, hd = cfg.d_model, cfg.head_dim
         self.wq = nn.Linear(d, cfg.n_head * hd, bias=False)
         self.wk = nn.Linear(d, cfg.n_kv_head * hd, bias=False)
@@ -265,7 +267,7 @@ class Attention(nn.Module):
         if isinstance(mask, BlockMask):
             flex = compiled(flex_attention) if q.is_cuda else flex_attention
             y = flex(q, k, v, block_mask=mask, enable_gqa=gqa)
-        elif self.backend != "eager":
+        elif self.cfg.attn_backend != "eager":
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         else:
             y = self.eager_attention(q, k, v, mask)
@@ -506,8 +508,6 @@ class GPT(nn.Module):
         if name not in ATTN_BACKENDS:
             raise ValueError(f"attn_backend={name!r}: choose one of {', '.join(ATTN_BACKENDS)}")
         self.cfg.attn_backend = name
-        for block in self.layers:
-            block.attn.backend = name
 
     def moe_layers(self):
         return [block.mlp for block in self.layers if isinstance(block.mlp, MoE)]
@@ -620,7 +620,7 @@ def capture_attention(model, reduce=None):
     """Per layer, the (B, H, T, T) attention probabilities of the last forward (eager backend),
     or reduce(probs) if given: reducing inside the hook keeps one layer's probabilities alive
     at a time instead of all of them (~40 GB at 1.5B for B=8, T=2048)."""
-    if any(block.attn.backend != "eager" for block in model.layers):
+    if model.cfg.attn_backend != "eager":
         raise ValueError("capture_attention needs the eager backend: call model.set_attn_backend('eager') first")
     captured = [None] * len(model.layers)
 
