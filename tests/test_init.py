@@ -116,8 +116,10 @@ def test_every_gpt_matrix_has_std_d_in_to_minus_gamma():
         for r in init_model_(model, gamma=gamma, seed=3):
             p = model.get_parameter(r["name"])
             if r["action"] == "normal":
-                assert r["std"] == pytest.approx(r["d_in"] ** -gamma)
-                assert abs(p.std().item() / r["std"] - 1) < 0.03, r
+                # Linear weights are (out, in) and the embedding (vocab, d_model): d_in is dim 1.
+                want = p.shape[1] ** -gamma
+                assert r["d_in"] == p.shape[1] and r["std"] == pytest.approx(want)
+                assert abs(p.std().item() / want - 1) < 0.03, r
             else:
                 assert r["action"] == "ones" and torch.all(p == 1), r
     assert model.tok_emb.weight.std().item() == pytest.approx(256 ** -1.5, rel=0.03)
