@@ -560,11 +560,19 @@ def effective_size(loss, fit):
 
 # ----------------------------------------------------------------------------- checkpoints
 
+def complete_checkpoints(run_dir):
+    """A run's complete checkpoints, oldest first (train.py resumes from the last). Only renamed
+    folders holding DCP's index and train.py's meta.json count: a run killed while saving
+    leaves a tmp_ folder, never a ckpt_ folder, and a filesystem whose rename is a copy (FUSE
+    object stores) can't pass off a partial one."""
+    found = glob.glob(os.path.join(run_dir, "ckpt_*", "meta.json"))
+    return sorted(os.path.dirname(p) for p in found if os.path.exists(os.path.join(os.path.dirname(p), ".metadata")))
+
+
 def find_checkpoints(path):
     """Checkpoint paths in a run folder (complete ckpt_* folders, step order), or [path]."""
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "meta.json")):
-        found = sorted(p for p in glob.glob(os.path.join(path, "ckpt_*"))
-                       if os.path.exists(os.path.join(p, "meta.json")))
+        found = complete_checkpoints(path)
         if not found:
             raise SystemExit(f"{path}: no ckpt_*/meta.json inside; pass a .pt export, a checkpoint "
                              "folder or a run folder written by train.py")

@@ -29,7 +29,6 @@ import resource
 import shutil
 import sys
 import time
-import warnings
 from dataclasses import asdict
 
 import torch
@@ -39,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from eval import cosine_stats, row_cosines, stable_rank
+from eval import complete_checkpoints, cosine_stats, load_model, row_cosines, stable_rank, write_json
 from init import format_report
 from model import GPT, GPTConfig, config_for, init_model_
 from prepare_data import TokenLoader, check_model_vocab
@@ -291,14 +290,6 @@ def make_optimizer(net, cfg, device):
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def checkpoints(out_dir):
-    """Complete checkpoints, oldest first. Only renamed folders holding DCP's index and our
-    meta.json count: a run killed while saving leaves a tmp_ folder, never a ckpt_ folder, and a
-    filesystem whose rename is a copy (FUSE object stores) can't pass off a partial one."""
-    found = glob.glob(os.path.join(out_dir, "ckpt_*", "meta.json"))
-    return sorted(os.path.dirname(p) for p in found if os.path.exists(os.path.join(os.path.dirname(p), ".metadata")))
-
-
 # Settings that may change between a checkpoint and its resumption: how the same model is run.
 RUNTIME_MODEL_FIELDS = {"attn_backend", "activation_checkpointing", "moe_impl"}
 
@@ -329,7 +320,7 @@ def save_checkpoint(cfg, step, net, opt, loader, meta):
         write_json(os.path.join(tmp, "meta.json"), {
             **meta, "step": step, "world_size": dist.get_world_size(), "data_state": loader.state_dict()})
         os.rename(tmp, final)
-        done = checkpoints(cfg["out_dir"])
+        done = complete_checkpoints(cfg["out_dir"])
         for old in done[:-cfg["keep_last"]]:
             old_step = int(os.path.basename(old)[5:])
             if not (cfg["keep_every"] and old_step % cfg["keep_every"] == 0) and old_step not in cfg["keep_steps"]:
@@ -362,27 +353,12 @@ def export(ckpt_dir, out_file):
     if not os.path.isfile(os.path.join(ckpt_dir, "meta.json")):
         raise SystemExit(f"export: {ckpt_dir} is not a complete checkpoint folder (no meta.json); "
                          f"pass an out_dir/ckpt_XXXXXXXX folder")
-    meta = read_json(os.path.join(ckpt_dir, "meta.json"))
-    with torch.device("meta"):
-        net = GPT(GPTConfig(**meta["model_config"]))
-    net.to_empty(device="cpu")
-    state = {"model": net.state_dict()}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=ckpt_dir, no_dist=True)  # one process reads every rank's shards
-    payload = {"model": state["model"], **{k: meta[k] for k in ("model_config", "config", "step", "data_meta")}}
+    net, info = load_model(ckpt_dir)  # eval.py's one loading path: one process reads every shard
+    payload = {"model": net.state_dict(), **{k: info[k] for k in ("model_config", "config", "step", "data_meta")}}
     tmp = out_file + ".tmp"
     torch.save(payload, tmp)
     os.replace(tmp, out_file)
-    print(f"exported {ckpt_dir} (step {meta['step']}) -> {out_file}")
-
-
-def write_json(path, obj):
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())  # a checkpoint's meta.json must not outlive a power loss half-written
-    os.replace(path + ".tmp", path)
+    print(f"exported {ckpt_dir} (step {info['step']}) -> {out_file}")
 
 
 def read_json(path):
@@ -532,7 +508,7 @@ def train(cfg):
     out = cfg["out_dir"]
     # Rank 0 lists the checkpoints and tells the others: on a shared filesystem another node's
     # stale directory cache could otherwise pick a different one (or none) and hang the job.
-    listing = [checkpoints(out) if rank == 0 else None]
+    listing = [complete_checkpoints(out) if rank == 0 else None]
     dist.broadcast_object_list(listing, src=0)
     done = listing[0]
     if done and not cfg["resume"]:

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import shutil
 import warnings
 from types import SimpleNamespace
 
@@ -442,7 +443,11 @@ def test_one_loading_path_for_exports_dcp_folders_and_run_folders(tmp_path):
     early, late = tiny_model(seed=1), tiny_model(seed=2)
     for model, step in ((early, 100), (late, 200)):
         save_dcp(model, tmp_path / "run" / f"ckpt_{step:08d}", step)
-    os.makedirs(tmp_path / "run" / "tmp_ckpt_00000300")  # an unfinished save is never picked
+    # Unfinished saves are never picked: a tmp_ folder, and a ckpt_ folder whose DCP index is
+    # missing (a rename that copied, interrupted).
+    shutil.copytree(tmp_path / "run" / "ckpt_00000200", tmp_path / "run" / "tmp_ckpt_00000300")
+    shutil.copytree(tmp_path / "run" / "ckpt_00000200", tmp_path / "run" / "ckpt_00000400")
+    os.remove(tmp_path / "run" / "ckpt_00000400" / ".metadata")
     loaded, info = ev.load_model(str(tmp_path / "run"))
     assert info["step"] == 200 and torch.equal(loaded(x)[0], late(x)[0])
     loaded, info = ev.load_model(export(early, tmp_path / "early.pt", step=100))
