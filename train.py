@@ -108,7 +108,7 @@ def _unknown(key, valid, where):
     return SystemExit(f"config: unknown key {key!r} in {where}{hint}")
 
 
-def _set(cfg, key, value, where):
+def _set(cfg, key, value, where, merge_dicts=False):
     head, _, item = key.partition(".")
     if head not in DEFAULTS:
         raise _unknown(head, DEFAULTS, where)
@@ -126,7 +126,7 @@ def _set(cfg, key, value, where):
                 raise _unknown(f"{head}.{k}", [f"{head}.{d}" for d in default], where)
             value[k] = _check_type(f"{head}.{k}", v, default[k])
         cfg[head] = {**cfg[head], **value}
-    elif item or (type(default) is dict and where == "the command line"):
+    elif item or (type(default) is dict and merge_dicts):
         # Free-form dicts (model, init_overrides) are checked by GPTConfig / init.py. From the
         # command line they merge: --model={'attn_gate': 'none'} must not silently drop the
         # config file's doc_mask or max_seq_len. A config file's `model = dict(...)` replaces,
@@ -148,14 +148,14 @@ def load_config(argv):
                 value = ast.literal_eval(text)
             except (ValueError, SyntaxError):
                 value = text  # --out_dir=out/x needs no quotes
-            _set(cfg, key, value, "the command line")
+            _set(cfg, key, value, "the command line", merge_dicts=True)
         else:
             if not os.path.isfile(arg):
                 raise SystemExit(f"config: no such config file {arg!r} (arguments are config "
                                  f"files and --key=value)")
             ns = copy.deepcopy(cfg)
-            ns["include"] = lambda name, _dir=os.path.dirname(arg): _include(ns, _dir, name)
-            exec(builtins.compile(open(arg).read(), arg, "exec"), ns)
+            ns["include"] = lambda name, _dir=os.path.dirname(arg): _run_file(os.path.join(_dir, name), ns)
+            _run_file(arg, ns)
             for key, value in ns.items():
                 # _names are the file's own helpers; imported modules are not settings.
                 if key.startswith("_") or key == "include" or type(value).__name__ == "module":
@@ -165,10 +165,11 @@ def load_config(argv):
     return cfg
 
 
-def _include(ns, base_dir, name):
-    """Config files share settings by include("other.py"), resolved beside the includer."""
-    path = os.path.join(base_dir, name)
-    exec(builtins.compile(open(path).read(), path, "exec"), ns)
+def _run_file(path, ns):
+    """Execute a config file in ns. Config files share settings by include("other.py"),
+    resolved beside the includer. (builtins.compile: the setting `compile` shadows the name.)"""
+    with open(path) as f:
+        exec(builtins.compile(f.read(), path, "exec"), ns)
 
 
 def validate(cfg):
@@ -329,11 +330,13 @@ def save_checkpoint(cfg, step, net, opt, loader, meta):
     return final
 
 
-def load_checkpoint(path, net, opt, loader):
+def load_checkpoint(path, net, opt, loader, cfg_weight_decay):
     model_sd, optim_sd = get_state_dict(net, opt)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)  # DCP reshards when the world size changed
     set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for group in opt.param_groups:  # the config's weight decay wins over the checkpoint's (sweeps)
+        group["weight_decay"] = cfg_weight_decay[group["name"]]
     meta = read_json(os.path.join(path, "meta.json"))
     try:
         loader.load_state_dict(meta["data_state"])
@@ -434,9 +437,9 @@ def weight_structure(net, names):
 
 
 @torch.no_grad()
-def evaluate(net, cfg, rank, world, device):
+def evaluate(net, loader, cfg, device):
     """Token-weighted validation loss over eval_batches fixed global batches (same every time)."""
-    loader = open_loader(cfg, "val", rank, world)
+    loader.epoch, loader.pos = 0, 0  # rewound: every evaluation scores the same batches
     total = torch.zeros(2, device=device)
     net.eval()
     for _ in range(cfg["eval_batches"]):
@@ -497,6 +500,7 @@ def train(cfg):
     accum = grad_accum(cfg, world)
     mcfg = model_config(cfg, device.type)
     loader = open_loader(cfg, "train", rank, world)
+    val_loader = open_loader(cfg, "val", rank, world)  # opened now: a missing split fails at start
     data_meta = loader.meta
     try:
         check_model_vocab(data_meta, mcfg.vocab_size)
@@ -531,7 +535,7 @@ def train(cfg):
     dist.barrier()
     if done:
         check_resumable(done[-1], mcfg)
-        meta = load_checkpoint(done[-1], net, opt, loader)
+        meta = load_checkpoint(done[-1], net, opt, loader, cfg["weight_decay"])
         step = meta["step"]
         log0(f"resumed from {done[-1]} at step {step}")
         if meta["world_size"] != world:
@@ -554,7 +558,7 @@ def train(cfg):
             metrics.flush()
 
     def evaluate_and_record():
-        val = evaluate(net, cfg, rank, world, device)
+        val = evaluate(net, val_loader, cfg, device)
         row = {"step": step, "val_loss": val, "weights": weight_structure(net, track)}
         log0(f"step {step}: val loss {val:.4f}")
         record(row)
@@ -576,7 +580,6 @@ def train(cfg):
         lr = lr_at(cfg, step)
         for group in opt.param_groups:
             group["lr"] = lr
-            group["weight_decay"] = cfg["weight_decay"][group["name"]]  # config wins over a checkpoint's
         x, y = loader.next_batch()
         n_total = (y != -1).sum().to(device)
         dist.all_reduce(n_total)  # loss tokens in the global batch
