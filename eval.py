@@ -712,10 +712,9 @@ def run_tokens(args):
         logp_b.append(token_logprobs(model_b, x, y)[keep].cpu())
     logp_a, logp_b = torch.cat(logp_a).numpy(), torch.cat(logp_b).numpy()
     rows = difficulty_buckets(logp_a, logp_b, args.buckets)
-    gap = delta_sym(logp_a, logp_b)
-    summary = {"tokens": len(gap), "split": args.split, "seq_len": seq_len, "mean_delta_sym": float(gap.mean()),
-               "win_rate_a": float(np.mean((gap > 0) + 0.5 * (gap == 0))),
-               "loss_a": float(-logp_a.mean()), "loss_b": float(-logp_b.mean())}
+    (overall,) = difficulty_buckets(logp_a, logp_b, 1)  # every token in one bucket: the totals
+    summary = {"tokens": overall["count"], "split": args.split, "seq_len": seq_len,
+               **{k: overall[k] for k in ("mean_delta_sym", "win_rate_a", "loss_a", "loss_b")}}
     result = {"analysis": "tokens", "ckpt_a": args.ckpt_a, "ckpt_b": args.ckpt_b, "summary": summary, "rows": rows}
     if args.plot:
         plot_buckets(rows, args.plot, os.path.basename(args.ckpt_a.rstrip("/")), os.path.basename(args.ckpt_b.rstrip("/")))
@@ -724,11 +723,11 @@ def run_tokens(args):
 
 
 def document_starts(x, eot_id):
-    """Position of the first token of each token's document. A document ends with its eot
-    token, so the token after an eot starts a new one."""
-    t = torch.arange(x.shape[1], device=x.device).expand_as(x)
-    starts = torch.where(F.pad(x[:, :-1] == eot_id, (1, 0)), t, torch.zeros_like(t))
-    return torch.cummax(starts, dim=1).values
+    """Position of the first token of each token's document, by the model's own rule
+    (model.document_ids): the first position holding each non-decreasing document id."""
+    from model import document_ids
+    ids = document_ids(x, eot_id).contiguous()
+    return torch.searchsorted(ids, ids)
 
 
 @torch.no_grad()
@@ -736,8 +735,9 @@ def sink_shares(model, x):
     """Per layer (H,) attention share on the sequence's first token (queries ≥ 1) and, with
     document masking, on each query's document start (queries that are not that start)."""
     from model import capture_attention
-    q = torch.arange(x.shape[1], device=x.device)
-    doc = document_starts(x, model.cfg.eot_id)
+    if model.cfg.doc_mask:
+        q = torch.arange(x.shape[1], device=x.device)
+        doc = document_starts(x, model.cfg.eot_id)
 
     def shares(p):  # reduced inside the hook: one layer's (B, H, T, T) probabilities at a time
         # Only (B, H, T) columns are needed: slice them out before widening to float64, never
@@ -880,7 +880,9 @@ def run_math_bench(model, tokenizer, args):
     per_problem = []
     for rec in progress(tests, len(tests), args.task):
         prompt, marker = few_shot_prompt(shots, rec["question"], args.task)
-        stop = lambda toks: eot_id in toks or marker in decode([t for t in toks if t != eot_id])
+        # Checked after every token: look at the newest token and a short decoded tail only,
+        # not the whole continuation (that would be quadratic in its length).
+        stop = lambda toks: toks[-1] == eot_id or marker in decode(toks[-32:])
         outs = generate(model, encode(prompt), args.max_new_tokens, args.num_samples, args.temperature,
                         args.top_k, args.seed, stop)
         # The model goes on to invent the next question; its answer ends where that starts.
@@ -889,7 +891,7 @@ def run_math_bench(model, tokenizer, args):
         hits = [answers_match(a, rec["answer"]) for a in answers]
         votes = [normalize_answer(a) for a in answers if a is not None]
         majority = max(votes, key=votes.count) if votes else None  # ties: the first sample's
-        per_problem.append({"answer": rec["answer"], "predicted": answers[0], "correct": hits[0],
+        per_problem.append({"answer": rec["answer"], "completion": texts[0], "predicted": answers[0], "correct": hits[0],
                             "mean_correct": float(np.mean(hits)), "majority_correct": answers_match(majority, rec["answer"])})
     summary = {"task": args.task, "problems": len(per_problem), "shots": args.shots,
                "exemplars": f"the first {args.shots} records of --source, excluded from scoring",

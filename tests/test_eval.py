@@ -828,7 +828,8 @@ def test_bench_gsm8k_and_sample_run_on_a_tiny_checkpoint(tmp_path, capsys):
     for question, row in zip(("What is 4*2?", "1+1?"), result["rows"]):
         prompt = f"Question: What is 2+3?\nAnswer: 2+3=5\n#### 5\n\nQuestion: {question}\nAnswer:"
         out = greedy_by_hand(model, list(prompt.encode()), 12, lambda t: 256 in t or "\n\nQuestion:" in decode(t))
-        assert row["predicted"] == ev.extract_answer(decode(out).split("\n\nQuestion:")[0])
+        completion = decode(out).split("\n\nQuestion:")[0]
+        assert row["completion"] == completion and row["predicted"] == ev.extract_answer(completion)
     capsys.readouterr()
     ev.main(["sample", ckpt, "--prompt", "The cat", "--max-new-tokens", "5", "--temperature", "0"])
     out = greedy_by_hand(model, list(b"The cat"), 5, lambda t: t[-1] == 256)  # sample ends at end-of-text
@@ -883,7 +884,16 @@ def test_bench_anchor_end_to_end(tmp_path, anchor_data):
     model = tiny_model(vocab_size=meta["vocab_size"], eot_id=meta["eot_id"])
     result = ev.main(["bench", export(model, tmp_path / "a.pt", data_dir=anchor_data), "--task", "anchor"])
     held = result["rows"][-1]
-    assert held["split"] == "heldout" and held["inferential"] + held["symmetric"] + held["other"] == pytest.approx(1)
+    # By hand: the model's argmax answer on each held-out record, whose stored target is the
+    # inferential answer x-10; the symmetric one is x-6, i.e. target + 4.
+    from prepare_data import read_records
+    records = torch.from_numpy(read_records(anchor_data, "heldout"))
+    with torch.no_grad():
+        predicted = model(records[:, :-1])[0][:, -1].argmax(-1)
+    target = records[:, -1]
+    assert held["split"] == "heldout"
+    assert held["inferential"] == pytest.approx((predicted == target).double().mean().item())
+    assert held["symmetric"] == pytest.approx((predicted == target + 4).double().mean().item())
 
 
 @pytest.mark.slow
