@@ -491,8 +491,8 @@ def iter_texts(source, batch_size=1000):
         field = "text" if builder == "text" else source.field
     for batch in ds.iter(batch_size=batch_size):
         if field not in batch:
-            raise KeyError(f"source {source.name}: no field {field!r}; columns are {sorted(batch)}; "
-                           f"pass field=<column> in --source")
+            raise ValueError(f"source {source.name}: no field {field!r}; columns are {sorted(batch)}; "
+                             f"pass field=<column> in --source")
         texts = ["\n".join(t) if isinstance(t, list) else t for t in batch[field]]
         if source.sep is not None:
             texts = [piece.strip() for t in texts for piece in t.split(source.sep)]
@@ -576,11 +576,11 @@ class Progress:
         return self.tokens - n0, self.last - t0
 
 
-def tokenize_source(source, pool, workers, cache_dir, cap, dtype, fingerprint):
+def tokenize_source(source, pool, workers, cache_dir, dtype, fingerprint):
     """Tokenize one source into cache_dir/<name>.tokens.bin (raw `dtype`) and <name>.lengths.npy.
 
     Returns (tokens memmap, document lengths, Progress.steady() or None when reused).
-    `cap` stops the read once that many tokens are in.
+    fingerprint["cap"] (None: no cap) stops the read once that many tokens are in.
     A cache with a matching <name>.done.json is complete and reused (resume after a crash).
     """
     done = os.path.join(cache_dir, f"{source.name}.done.json")
@@ -598,6 +598,7 @@ def tokenize_source(source, pool, workers, cache_dir, cap, dtype, fingerprint):
                 return tokens, lengths, None
             print(f"{source.name}: cached tokens are incomplete, tokenizing again", file=sys.stderr)
         os.remove(done)
+    cap = fingerprint["cap"]
     progress = Progress(f"tokenizing {source.name}", cap)
     lengths, count = [], 0
     tmp = tokens_path + ".tmp"
@@ -703,7 +704,7 @@ def prepare_text(args):
         for s, weight in zip(sources, normalized_weights(sources)):
             caps = [c for c in (s.max_tokens, args.max_tokens and int(round(weight * args.max_tokens))) if c]
             fingerprint = {"source": asdict(s), "tokenizer": args.tokenizer, "cap": min(caps, default=None)}
-            *cache, steady = tokenize_source(s, pool, args.workers, cache_dir, fingerprint["cap"], dtype, fingerprint)
+            *cache, steady = tokenize_source(s, pool, args.workers, cache_dir, dtype, fingerprint)
             caches.append(cache)
             timings.append(steady or (0, 0.0))
     tokenize_seconds = time.time() - start
@@ -975,8 +976,8 @@ def main(argv=None):
         else:
             fields = {k: getattr(args, k) for k in AnchorTask.__dataclass_fields__}
             prepare_anchor(AnchorTask(**fields), args.out, args.invocation)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        raise SystemExit(f"error: {e.args[0] if e.args else e}") from None
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

@@ -184,8 +184,8 @@ def test_header_and_size_validation(tmp_path):
         f.write(good[:8] + (99).to_bytes(4, "little") + good[12:])
     with pytest.raises(ValueError, match="format version 99"):
         P.read_shard(shard)
-    with open(shard, "wb") as f:  # a valid shard with other contents than meta.json describes
-        P.write_shard(shard, np.zeros(5, np.uint16), np.zeros((1, 2), np.int64))
+    # a valid shard with other contents than meta.json describes
+    P.write_shard(shard, np.zeros(5, np.uint16), np.zeros((1, 2), np.int64))
     with pytest.raises(ValueError, match="meta.json says"):
         P.TokenLoader(str(out), "train", 1, 2)
     os.remove(out / "meta.json")
@@ -469,8 +469,10 @@ def test_anchor_loader_masks_all_but_the_answer(anchor_dir):
     x, y, src = loader.next_batch(with_sources=True)
     assert x.shape == y.shape == (16, 9)
     assert (y[:, :-1] == -1).all() and (y[:, -1] >= 0).all()
-    key, a, b, target = P.anchor_fields(torch.cat([x, y[:, -1:]], 1).numpy())
-    assert torch.equal(y[:, -1], torch.from_numpy(target))
+    key, a, b, _ = P.anchor_fields(torch.cat([x, y[:, -1:]], 1).numpy())
+    # The loader's answer token is the task's rule applied to the record's key and pair.
+    expected = [k - 6 if (i, j) == (3, 4) else k + SHIFTS[i] + SHIFTS[j] for k, i, j in zip(key, a, b)]
+    assert y[:, -1].tolist() == expected
     names = P.load_meta(anchor_dir)["sources"]
     assert [names[s] for s in src[:, -1].tolist()] == [f"pair_{i}_{j}" for i, j in zip(a.tolist(), b.tolist())]
     with pytest.raises(ValueError, match="use seq_len=9"):
