@@ -23,7 +23,8 @@ import sys
 import threading
 import time
 
-from prepare_data import usable_cores
+from eval import pyplot, save_figure, write_json
+from prepare_data import AnchorTask, usable_cores
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -41,7 +42,7 @@ SETTINGS = {
     "global_batch": 128, "batch_size": 128, "max_steps": 4680, "lr": 1e-3, "warmup_steps": 100,
     "weight_decay.matrix": 0.1, "eval_batches": 15,  # 15 x 128 of the 2,000 validation records
 }
-DATA = {"--n-train": 20000, "--n-eval": 2000}  # prepare_data.py anchor's defaults, stated here
+DATA = {"--n-train": AnchorTask.n_train, "--n-eval": AnchorTask.n_eval}  # prepare_data.py anchor's defaults
 
 # --smoke: every stage runs, on a tenth of the data and a few dozen steps (checks plumbing,
 # not the science). Validation must hold eval_batches full batches of the 256 records.
@@ -137,11 +138,9 @@ def table(results):
 def plot(results, curves, path):
     """Training curves and held-out answer shares; False when matplotlib is missing."""
     try:
-        import matplotlib
-    except ImportError:
+        plt = pyplot()
+    except SystemExit:  # matplotlib is optional: the quickstart says so and goes on
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     fig, (ax_loss, ax_share) = plt.subplots(1, 2, figsize=(11, 4))
     for r in results:
         train, val = curves[r["name"]]
@@ -158,18 +157,9 @@ def plot(results, curves, path):
     ax_share.set(ylabel="share of held-out answers", ylim=(0, 1), title="held-out pair (4,3)")
     ax_share.legend()
     fig.tight_layout()
-    tmp = f"{path}.tmp{os.getpid()}.png"
-    fig.savefig(tmp, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
-    os.replace(tmp, path)
     return True
-
-
-def write_json(path, obj):
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
 
 
 def main(argv=None):

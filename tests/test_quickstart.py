@@ -31,7 +31,7 @@ def test_table_printed_with_sane_numbers(smoke):
     assert set(rows) == {"gamma05", "gamma1"}
     for r in rows.values():
         shares = [r["inferential"], r["symmetric"], r["other"]]
-        assert all(0 <= s <= 1 for s in shares) and math.isclose(sum(shares), 1, abs_tol=1e-9)
+        assert all(0 <= s <= 1 for s in shares)
         assert 0 <= r["seen_pair_acc"] <= 1 and 0 <= r["test_key_acc"] <= 1
         assert r["wall_s"] > 0
         # The printed row carries the same numbers as the JSON.
@@ -51,7 +51,6 @@ def test_table_printed_with_sane_numbers(smoke):
 def test_heldout_shares_match_a_hand_count(smoke):
     """Recount the held-out answers from the trained model with this file's own reading of
     the records: the key is the token before the first anchor (1..4), the pair the two after."""
-    sys.path.insert(0, ROOT)
     from eval import load_model
     from prepare_data import read_records
     out, _, result = smoke
@@ -60,7 +59,7 @@ def test_heldout_shares_match_a_hand_count(smoke):
         model, _ = load_model(str(out / r["name"]), "cpu")
         with torch.no_grad():
             pred = model(torch.as_tensor(records[:, :-1]))[0][:, -1].argmax(-1).numpy()
-        counts = {"inferential": 0, "symmetric": 0}
+        counts = {"inferential": 0, "symmetric": 0, "other": 0}
         for rec, p in zip(records, pred):
             i = next(j for j, t in enumerate(rec[:-1]) if 1 <= t <= 4)
             key, pair = int(rec[i - 1]), (int(rec[i]), int(rec[i + 1]))
@@ -69,5 +68,7 @@ def test_heldout_shares_match_a_hand_count(smoke):
                 counts["inferential"] += 1
             elif p == key - 6:
                 counts["symmetric"] += 1
+            else:
+                counts["other"] += 1
         for kind, n in counts.items():
             assert np.isclose(r[kind], n / len(records)), (r["name"], kind)
