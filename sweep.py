@@ -1,0 +1,298 @@
+"""
+Run a grid of train.py runs (arms x grid x seeds), evaluate each with eval.py, and gather one
+results/<name>.json that `eval.py report` turns into tables (mean ± std and a 95% interval).
+
+    python sweep.py config/cpu_lm.py --grid lr=1e-3,3e-3,1e-2 --seeds 0 --name lr_tune \
+        --arm recipe= --arm baseline=config/_baseline.py
+    python sweep.py config/cpu_lm.py --grid gamma=0.5,0.75,1.0 --seeds 0,1,2 --name gamma --jobs 2
+    python sweep.py ... --dry-run            # the points and their commands, nothing runs
+    python sweep.py ... --print-commands     # one torchrun line per point, for a cluster scheduler
+    python eval.py report results/gamma.json
+
+Every point is a run folder out/sweeps/<name>/<point>. A point is finished when its folder
+holds sweep_point.json (written last, atomically, after the evaluations): a second call skips
+it. A killed point is simply run again: train.py resumes from its newest complete checkpoint
+and the evaluations are redone. Points run as subprocesses with one thread each (--jobs N side
+by side), so a sweep never changes the code path a single `python train.py` takes.
+"""
+
+import argparse
+import ast
+import itertools
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+from eval import write_json
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def parse_value(text):
+    """A grid value as train.py reads a --key=value: a Python literal, else a string."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def parse_grid(specs):
+    """['lr=1e-3,3e-3', 'gamma=0.5'] -> {'lr': [0.001, 0.003], 'gamma': [0.5]} (order kept)."""
+    grid = {}
+    for spec in specs:
+        key, eq, values = spec.partition("=")
+        if not eq or not key or not values:
+            raise ValueError(f"--grid {spec!r}: write KEY=V1,V2,... e.g. --grid lr=1e-3,3e-3")
+        if key in grid:
+            raise ValueError(f"--grid {key} given twice: put all its values in one --grid")
+        check_key(key, "--grid")
+        grid[key] = [parse_value(v) for v in values.split(",")]
+    return grid
+
+
+def parse_arms(specs):
+    """['baseline=config/_baseline.py', 'g0.5=,gamma=0.5,lr=0.01', 'recipe='] ->
+    {name: {"configs": [...], "set": {...}}}. An arm is extra config files applied after the
+    base (joined by +; empty: the base as it is) and its own fixed settings (e.g. each arm's
+    tuned lr)."""
+    if not specs:
+        return {"base": {"configs": [], "set": {}}}
+    arms = {}
+    for spec in specs:
+        name, eq, rest = spec.partition("=")
+        if not eq or not name or "/" in name:
+            raise ValueError(f"--arm {spec!r}: write NAME=CONFIG[+CONFIG][,KEY=VALUE...] (NAME= for the base config)")
+        files, *pairs = rest.split(",")
+        files = [f for f in files.split("+") if f]
+        for f in files:
+            if not os.path.isfile(f):
+                raise ValueError(f"--arm {name}: no such config file {f!r}")
+        if name in arms:
+            raise ValueError(f"--arm {name} given twice")
+        arms[name] = {"configs": files, "set": dict(parse_value_pair(p, f"--arm {name}") for p in pairs)}
+    return arms
+
+
+def value_text(value):
+    return value if isinstance(value, str) else repr(value)
+
+
+def points(arms, grid, seeds):
+    """Every (arm, grid values, seed), in a fixed order: arms, then the grid (last key fastest),
+    then seeds. Names are unique, readable and safe as folder names."""
+    out = []
+    for arm, spec in arms.items():
+        clash = sorted(set(spec["set"]) & set(grid))
+        if clash:
+            raise ValueError(f"--arm {arm} sets {', '.join(clash)}, which the grid sweeps")
+        for values in itertools.product(*grid.values()):
+            setting = dict(zip(grid, values))
+            for seed in seeds:
+                parts = [arm] + [f"{k}={value_text(v)}" for k, v in setting.items()] + [f"seed{seed}"]
+                name = "-".join(parts).replace("/", "_").replace(" ", "")
+                out.append({"name": name, "arm": arm, "configs": spec["configs"], "arm_set": spec["set"],
+                            "setting": setting, "seed": seed})
+    return out
+
+
+def train_args(args, point, run_dir):
+    overrides = dict(parse_value_pair(s, "--set") for s in args.set)
+    overrides.update(point["arm_set"])
+    overrides.update(point["setting"])
+    return [args.base, *point["configs"], *[f"--{k}={value_text(v)}" for k, v in overrides.items()],
+            f"--seed={point['seed']}", f"--out_dir={run_dir}"]
+
+
+def parse_value_pair(spec, where):
+    key, eq, value = spec.partition("=")
+    if not eq or not key:
+        raise ValueError(f"{where} {spec!r}: write KEY=VALUE, e.g. max_steps=300")
+    check_key(key, where)
+    return key, parse_value(value)
+
+
+def check_key(key, where):
+    if key in ("seed", "out_dir"):
+        raise ValueError(f"{where} {key}: the sweep sets {key} itself (use --seeds for seeds)")
+
+
+def eval_commands(args, run_dir):
+    """One eval.py call per analysis in --eval; each writes eval_<analysis>.json in the run."""
+    return {name: ["eval.py", name, run_dir, "--tokens", str(args.eval_tokens),
+                   "--json-out", os.path.join(run_dir, f"eval_{name}.json")] for name in args.eval}
+
+
+def git_commit():
+    try:
+        commit = subprocess.run(["git", "-C", HERE, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", HERE, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit + ("-dirty" if dirty else "")
+
+
+def machine():
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "threads_per_point": 1, "host": platform.node(), "python": platform.python_version()}
+
+
+def read_jsonl(path):
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a half-written last row
+    return rows
+
+
+def point_result(args, point, run_dir, wall_s, command):
+    """The result row of a finished point, from its run folder."""
+    with open(os.path.join(run_dir, "config.json")) as f:
+        config = json.load(f)
+    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    train_rows = [r for r in metrics if "loss" in r]
+    val_rows = [r for r in metrics if "val_loss" in r]
+    evals = {}
+    for name in args.eval:
+        with open(os.path.join(run_dir, f"eval_{name}.json")) as f:
+            result = json.load(f)
+        evals[name] = {"summary": result["summary"], "rows": result["rows"] if name == "loss" else None}
+    return {"point": point["name"], "arm": point["arm"], "arm_configs": point["configs"], "arm_set": point["arm_set"], "setting": point["setting"],
+            "seed": point["seed"], "run_dir": run_dir, "command": command, "config": config,
+            "git_commit": git_commit(), "tokens": train_rows[-1]["tokens"] if train_rows else 0,
+            "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
+            "final_val_loss": val_rows[-1]["val_loss"] if val_rows else None,
+            "best_val_loss": min(r["val_loss"] for r in val_rows) if val_rows else None,
+            "eval": evals, "wall_s": wall_s, "machine": machine()}
+
+
+def run_point(args, point, run_dir):
+    """Train (or resume) and evaluate one point; returns its result row. Output goes to
+    run_dir/sweep.log so side-by-side points don't interleave on the console."""
+    os.makedirs(run_dir, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "EVAL_THREADS": "1"}
+    train = [sys.executable, os.path.join(HERE, "train.py"), *train_args(args, point, run_dir)]
+    evals = [[sys.executable, os.path.join(HERE, c[0]), *c[1:]] for c in eval_commands(args, run_dir).values()]
+    start = time.time()
+    with open(os.path.join(run_dir, "sweep.log"), "a") as log:
+        for cmd in [train, *evals]:
+            log.write(f"$ {' '.join(cmd)}\n")
+            log.flush()
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            if proc.returncode != 0:
+                raise RuntimeError(f"point {point['name']}: {os.path.basename(cmd[1])} exited {proc.returncode}; "
+                                   f"see {os.path.join(run_dir, 'sweep.log')}")
+    # Recorded as a user would type it from the repo root (no path of this machine).
+    row = point_result(args, point, run_dir, time.time() - start, ["python", "train.py", *train[2:]])
+    write_json(os.path.join(run_dir, "sweep_point.json"), row)
+    return row
+
+
+def finished(run_dir):
+    path = os.path.join(run_dir, "sweep_point.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_results(args, todo):
+    """results/<name>.json from every finished point, rewritten after each one lands."""
+    rows = [r for r in (finished(run_dir) for _, run_dir in todo) if r is not None]
+    write_json(os.path.join(args.results_dir, f"{args.name}.json"), {
+        "analysis": "sweep", "name": args.name, "base": args.base, "arms": parse_arms(args.arm),
+        "grid": parse_grid(args.grid), "seeds": args.seeds, "set": args.set, "eval": args.eval,
+        "summary": {"points": len(todo), "finished": len(rows)}, "rows": rows})
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("base", help="base config file")
+    p.add_argument("--grid", action="append", default=[], help="KEY=V1,V2,... (repeatable; the product is swept)")
+    p.add_argument("--arm", action="append", default=[],
+                   help="NAME=CONFIG[+CONFIG] extra config files after the base (repeatable; NAME= is the base)")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds (init and data order)")
+    p.add_argument("--set", action="append", default=[], help="KEY=VALUE fixed for every point (repeatable)")
+    p.add_argument("--name", required=True, help="sweep name: out/sweeps/<name>/, results/<name>.json")
+    p.add_argument("--eval", default="loss", help="comma-separated eval.py analyses per point (loss, sink)")
+    p.add_argument("--eval-tokens", type=int, default=262144, help="validation tokens per evaluation")
+    p.add_argument("--jobs", type=int, default=1, help="points side by side, one thread each")
+    p.add_argument("--out-root", default="out/sweeps")
+    p.add_argument("--results-dir", default="results")
+    p.add_argument("--dry-run", action="store_true", help="list the points and their commands; run nothing")
+    p.add_argument("--print-commands", action="store_true", help="one torchrun command per point (for a scheduler)")
+    p.add_argument("--nproc", type=int, default=8, help="--print-commands: GPUs per point")
+    args = p.parse_args(argv)
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",")]
+        args.eval = [e for e in args.eval.split(",") if e]
+        unknown = sorted(set(args.eval) - {"loss", "sink"})
+        if unknown:
+            raise ValueError(f"--eval {','.join(unknown)}: choose from loss, sink")
+        if not os.path.isfile(args.base):
+            raise ValueError(f"no such base config {args.base!r}")
+        if args.jobs < 1:
+            raise ValueError(f"--jobs {args.jobs} must be >= 1")
+        arms, grid = parse_arms(args.arm), parse_grid(args.grid)
+        for s in args.set:
+            parse_value_pair(s, "--set")
+        todo = [(pt, os.path.join(args.out_root, args.name, pt["name"])) for pt in points(arms, grid, args.seeds)]
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    if len({pt["name"] for pt, _ in todo}) != len(todo):
+        raise SystemExit("error: two points have the same name: give the arms distinct names")
+    if args.dry_run or args.print_commands:
+        for pt, run_dir in todo:
+            state = "finished" if finished(run_dir) else "to run"
+            if args.print_commands:
+                evals = " && ".join(f"python {' '.join(c)}" for c in eval_commands(args, run_dir).values())
+                print(f"torchrun --nproc_per_node={args.nproc} train.py {' '.join(train_args(args, pt, run_dir))}"
+                      + (f" && {evals}" if evals else ""))
+            else:
+                print(f"{pt['name']} [{state}]: python train.py {' '.join(train_args(args, pt, run_dir))}")
+        return
+    pending = [(pt, d) for pt, d in todo if not finished(d)]
+    print(f"sweep {args.name}: {len(todo)} points, {len(todo) - len(pending)} finished, {len(pending)} to run "
+          f"({args.jobs} at a time)", flush=True)
+    failures = run_all(args, pending, todo)
+    write_results(args, todo)
+    print(f"wrote {os.path.join(args.results_dir, args.name + '.json')}", flush=True)
+    if failures:
+        raise SystemExit("error: " + "; ".join(failures))
+
+
+def run_all(args, pending, todo):
+    """Up to --jobs points at once (threads only wait on subprocesses); results/<name>.json is
+    rewritten as each point lands, so a killed sweep keeps everything finished before it."""
+    failures = []
+    with ThreadPoolExecutor(args.jobs) as pool:
+        futures = {pool.submit(run_point, args, pt, d): pt for pt, d in pending}
+        for fut in as_completed(futures):
+            pt = futures[fut]
+            try:
+                row = fut.result()
+                loss = row["eval"].get("loss", {}).get("summary", {}).get("loss")
+                print(f"done {pt['name']}: val loss {loss if loss is None else round(loss, 4)} "
+                      f"in {row['wall_s']:.0f}s", flush=True)
+            except RuntimeError as e:
+                failures.append(str(e))
+                print(f"failed {e}", flush=True)
+            write_results(args, todo)
+    return failures
+
+
+if __name__ == "__main__":
+    main()
