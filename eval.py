@@ -1016,6 +1016,96 @@ def plot_scaling(rows, fit, path):
     plt.close(fig)
 
 
+# Two-sided 95% Student-t quantiles t_{0.975, df}; past 30 degrees of freedom the normal 1.96
+# is within 2%. A 3-seed mean has df=2: its interval is 4.3 standard errors wide each side.
+T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042]
+
+
+def mean_interval(values):
+    """(mean, sample std, half-width of the 95% t-interval of the mean); std and interval are
+    None for one value (no spread can be estimated from one seed)."""
+    n, mean = len(values), float(np.mean(values))
+    if n < 2:
+        return mean, None, None
+    std = float(np.std(values, ddof=1))
+    return mean, std, (T_975[n - 2] if n <= 31 else 1.96) * std / math.sqrt(n)
+
+
+def config_value(config, key):
+    """A resolved train.py setting by its sweep name: 'lr', 'model.norm_eps', 'weight_decay.matrix'.
+    A model field the run left at its default is read from GPTConfig (the run's model dict
+    holds only what was set)."""
+    head, _, item = key.partition(".")
+    value = config[head]
+    if not item:
+        return value
+    if item in value:
+        return value[item]
+    if head == "model":
+        from model import config_for
+        return getattr(config_for(config["model_size"], **config["model"]), item)
+    raise KeyError(key)
+
+
+def sweep_metrics(row):
+    """The numbers a sweep row is compared by: eval.py loss (overall and per source), the
+    first-token attention share when `sink` was evaluated, and train.py's best val loss."""
+    loss = row["eval"]["loss"]
+    out = {"loss": loss["summary"]["loss"], **{f"loss_{r['source']}": r["loss"] for r in loss["rows"]}}
+    if "sink" in row["eval"]:
+        out["sink_first"] = row["eval"]["sink"]["summary"]["mean_share_first"]
+    out["best_val_loss"] = row["best_val_loss"]
+    return out
+
+
+def sweep_table(result):
+    """One line per arm x grid setting: every metric as mean ± std over its seeds, and the loss's
+    95% interval. Groups keep the order of the sweep's points."""
+    groups = {}
+    for row in result["rows"]:
+        groups.setdefault((row["arm"], json.dumps(row["setting"], sort_keys=True)), []).append(row)
+    lines = []
+    for (arm, _), rows in groups.items():
+        metrics = [sweep_metrics(r) for r in rows]
+        line = {"arm": arm, **rows[0]["setting"], "seeds": ",".join(str(r["seed"]) for r in rows)}
+        for key in metrics[0]:
+            mean, std, _ = mean_interval([m[key] for m in metrics])
+            line[key] = f"{mean:.4f}" + ("" if std is None else f" ± {std:.4f}")
+        mean, _, half = mean_interval([m["loss"] for m in metrics])
+        line["loss_95ci"] = "-" if half is None else f"[{mean - half:.4f}, {mean + half:.4f}]"
+        line["tokens"] = rows[0]["tokens"]
+        lines.append(line)
+    return lines
+
+
+def plot_sweep(result, x_key, path):
+    """Loss (mean ± std over seeds, and every seed as a dot) against one setting, a line per arm
+    when the arms differ in something else."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    series = {}
+    for row in result["rows"]:
+        label = result["name"] if x_key in row["arm_set"] else row["arm"]
+        series.setdefault(label, {}).setdefault(config_value(row["config"], x_key), []).append(
+            row["eval"]["loss"]["summary"]["loss"])
+    for label, points in series.items():
+        xs = sorted(points)
+        stats = [mean_interval(points[x]) for x in xs]
+        ax.errorbar(xs, [s[0] for s in stats], yerr=[s[1] or 0 for s in stats], marker="o", capsize=3, label=label)
+        for x in xs:
+            ax.scatter([x] * len(points[x]), points[x], s=8, color="gray", zorder=3)
+    if all(isinstance(x, float) and x > 0 for pts in series.values() for x in pts) and x_key in ("lr", "model.norm_eps"):
+        ax.set_xscale("log")
+    ax.set_xlabel(x_key)
+    ax.set_ylabel("validation loss (eval.py loss)")
+    ax.set_title(result["name"])
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+    plt.close(fig)
+
+
 def run_report(args):
     groups = {}
     for path in args.results:
@@ -1023,6 +1113,13 @@ def run_report(args):
             result = json.load(f)
         groups.setdefault(result["analysis"], []).append((path, result))
     lines = []
+    for path, result in groups.pop("sweep", []):
+        lines += [f"### sweep {result['name']} ({os.path.basename(path)}; {result['summary']['finished']} of "
+                  f"{result['summary']['points']} points)", "", format_table(sweep_table(result), markdown=True), ""]
+        if args.plot_x:
+            plot = os.path.splitext(path)[0] + ".png"
+            plot_sweep(result, args.plot_x, plot)
+            lines += [f"![{result['name']}]({os.path.relpath(plot, os.path.dirname(os.path.abspath(args.out)))})", ""]
     for analysis, items in groups.items():
         lines += [f"### {analysis}", "", format_table([{"file": os.path.basename(p), **r["summary"]} for p, r in items],
                                                       markdown=True), ""]
@@ -1116,6 +1213,7 @@ def build_parser():
                 runs_model=False)
     p.add_argument("results", nargs="+")
     p.add_argument("--out", default="report.md")
+    p.add_argument("--plot-x", help="sweeps: plot loss against this setting (e.g. gamma, lr) beside each results JSON")
     p = command("sample", run_sample, "print continuations of a prompt", output=False)
     p.add_argument("--tokenizer-dir", help="offline tokenizer files (prepare_data.py --tokenizer-dir)")
     p.add_argument("--prompt", default="\n")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU language-model experiments of README "Results", in the order they ran. Resumable:
 # every sweep skips its finished points, so rerunning this script after a kill continues.
-# Each arm's lr is the best of a 3-point grid on seed 0 (by eval.py loss on the val split),
+# Each arm's lr is the best of a 4-point grid on seed 0 (by eval.py loss on the val split),
 # chosen by best_lr below from the committed tuning results; ties cannot change a pick silently
 # because the grid rows are in results/*.json.
 #   python prepare_data.py text --out data/bi_bytes --tokenizer bytes --max-tokens 16M \
@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=${JOBS:-1}
 BASE=config/cpu_lm.py
-LRS=0.003,0.01,0.03
+LRS=0.001,0.003,0.01,0.03
 SWEEP="python sweep.py $BASE --jobs $JOBS"
 
 best_lr() {  # best_lr RESULTS ARM [GAMMA]: the lr of the lowest eval loss among the arm's rows

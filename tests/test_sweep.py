@@ -1,0 +1,152 @@
+"""sweep.py: grid expansion, one-line errors, real 2-step sweeps (results rows against the run
+folders, a second call runs nothing, a killed point resumes to the uninterrupted result), and
+`eval.py report`'s aggregation against hand-computed means, stds and t-intervals."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import eval as ev
+import sweep
+from test_train import data_dir  # noqa: F401  (the shared byte-level dataset fixture)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--set", "model_size=tiny", "--set", "model={'max_seq_len': 32}", "--set", "seq_len=32",
+        "--set", "global_batch=4", "--set", "batch_size=4", "--set", "warmup_steps=1", "--set", "log_interval=1",
+        "--set", "eval_interval=1", "--set", "eval_batches=1", "--set", "ckpt_interval=1"]
+
+
+def test_points_expand_arms_grid_and_seeds_in_order(tmp_path):
+    extra = tmp_path / "b.py"
+    extra.write_text("gamma = 0.5\n")
+    arms = sweep.parse_arms(["r=", f"b={extra},lr=0.5,model.norm_eps=1e-5"])
+    assert arms == {"r": {"configs": [], "set": {}}, "b": {"configs": [str(extra)], "set": {"lr": 0.5, "model.norm_eps": 1e-5}}}
+    grid = sweep.parse_grid(["gamma=0.5,1.0", "model.attn_gate=none,headwise"])
+    assert grid == {"gamma": [0.5, 1.0], "model.attn_gate": ["none", "headwise"]}
+    pts = sweep.points(arms, grid, [0, 1])
+    want = [(arm, g, gate, s) for arm in ("r", "b") for g in (0.5, 1.0) for gate in ("none", "headwise") for s in (0, 1)]
+    assert [(p["arm"], p["setting"]["gamma"], p["setting"]["model.attn_gate"], p["seed"]) for p in pts] == want
+    assert pts[0]["name"] == "r-gamma=0.5-model.attn_gate=none-seed0"
+    assert len({p["name"] for p in pts}) == 16
+
+    class Args:
+        base, set = "config/cpu_lm.py", ["max_steps=2"]
+    b = pts[8]  # arm b, gamma 0.5, gate none, seed 0: base, arm file, --set, arm settings, grid, seed, out_dir
+    assert sweep.train_args(Args, b, "out/x") == [
+        "config/cpu_lm.py", str(extra), "--max_steps=2", "--lr=0.5", "--model.norm_eps=1e-05", "--gamma=0.5",
+        "--model.attn_gate=none", "--seed=0", "--out_dir=out/x"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--grid", "seed=1,2"], "--grid seed: the sweep sets seed itself"),
+    (["--grid", "lr"], "--grid 'lr': write KEY=V1,V2"),
+    (["--grid", "lr=1", "--grid", "lr=2"], "--grid lr given twice"),
+    (["--arm", "a=,lr=1", "--grid", "lr=2"], "--arm a sets lr, which the grid sweeps"),
+    (["--arm", "a=missing.py"], "--arm a: no such config file 'missing.py'"),
+    (["--set", "out_dir=x"], "--set out_dir: the sweep sets out_dir itself"),
+    (["--eval", "tokens"], "--eval tokens: choose from loss, sink"),
+])
+def test_bad_input_is_one_line(argv, message):
+    with pytest.raises(SystemExit) as e:
+        sweep.main(["config/cpu_lm.py", "--name", "x", *argv])
+    assert str(e.value).startswith("error: ") and message in str(e.value) and "\n" not in str(e.value)
+
+
+def run_sweep(args, cwd, **kw):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "sweep.py"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}, **kw)
+
+
+def sweep_args(data, name, max_steps):
+    return [os.path.join(ROOT, "config", "cpu_lm.py"), "--name", name, *TINY, "--set", f"data_dir={data}",
+            "--set", f"max_steps={max_steps}", "--eval-tokens", "256"]
+
+
+@pytest.mark.slow
+def test_sweep_rows_match_run_folders_and_second_call_runs_nothing(data_dir, tmp_path):
+    args = sweep_args(data_dir, "lr", 2) + ["--grid", "lr=1e-3,1e-2", "--eval", "loss,sink"]
+    p = run_sweep(args, tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    result = json.loads((tmp_path / "results" / "lr.json").read_text())
+    assert result["summary"] == {"points": 2, "finished": 2}
+    for row, lr in zip(result["rows"], (1e-3, 1e-2)):
+        run = tmp_path / "out" / "sweeps" / "lr" / f"base-lr={lr!r}-seed0"
+        assert row["run_dir"] == os.path.relpath(run, tmp_path)
+        assert row["config"] == json.loads((run / "config.json").read_text()) and row["config"]["lr"] == lr
+        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        vals = [m["val_loss"] for m in metrics if "val_loss" in m]
+        assert len(vals) == 3 and row["best_val_loss"] == min(vals) and row["final_val_loss"] == vals[-1]
+        assert row["tokens"] == 2 * 4 * 32  # 2 steps x 4 sequences x 32 tokens
+        assert row["eval"]["loss"]["summary"] == json.loads((run / "eval_loss.json").read_text())["summary"]
+        assert row["eval"]["sink"]["summary"]["attn_gate"] == "elementwise"
+        assert row["command"][:2] == ["python", "train.py"] and f"--lr={lr!r}" in row["command"]
+        assert row["git_commit"] and row["machine"]["threads_per_point"] == 1
+    assert result["rows"][0]["eval"]["loss"]["summary"]["loss"] != result["rows"][1]["eval"]["loss"]["summary"]["loss"]
+    logs = {d: (tmp_path / "out" / "sweeps" / "lr" / d / "sweep.log").read_text() for d in os.listdir(tmp_path / "out" / "sweeps" / "lr")}
+    again = run_sweep(args, tmp_path)
+    assert again.returncode == 0 and "2 finished, 0 to run" in again.stdout
+    assert {d: (tmp_path / "out" / "sweeps" / "lr" / d / "sweep.log").read_text() for d in logs} == logs
+    assert json.loads((tmp_path / "results" / "lr.json").read_text()) == result
+
+
+@pytest.mark.slow
+def test_killed_point_resumes_to_the_uninterrupted_result(data_dir, tmp_path):
+    full = run_sweep(sweep_args(data_dir, "full", 8), tmp_path)
+    assert full.returncode == 0, full.stdout + full.stderr
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "sweep.py"), *sweep_args(data_dir, "killed", 8)],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = tmp_path / "out" / "sweeps" / "killed" / "base-seed0"
+    deadline = time.time() + 300
+    while not (run / "ckpt_00000003").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the sweep and its train.py, mid-run
+    proc.wait()
+    assert not (run / "sweep_point.json").exists()
+    again = run_sweep(sweep_args(data_dir, "killed", 8), tmp_path)
+    assert again.returncode == 0 and "0 finished, 1 to run" in again.stdout
+    assert "resumed from" in (run / "sweep.log").read_text()
+
+    def losses(name):
+        row = json.loads((tmp_path / "results" / f"{name}.json").read_text())["rows"][0]
+        metrics = (tmp_path / "out" / "sweeps" / name / "base-seed0" / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(m).get("loss") for m in metrics], row["eval"]["loss"]["summary"]["loss"]
+    assert losses("killed") == losses("full")
+
+
+def synthetic_result(losses_by_arm):
+    rows = []
+    for arm, losses in losses_by_arm.items():
+        for seed, loss in enumerate(losses):
+            rows.append({"arm": arm, "arm_set": {}, "setting": {"lr": 0.01}, "seed": seed, "tokens": 100,
+                         "best_val_loss": loss + 1, "config": {"lr": 0.01, "model": {}, "model_size": "tiny"},
+                         "eval": {"loss": {"summary": {"loss": loss}, "rows": [{"source": "en", "loss": 2 * loss}]}}})
+    return {"analysis": "sweep", "name": "syn", "summary": {"points": len(rows), "finished": len(rows)}, "rows": rows}
+
+
+def test_report_aggregates_seeds_by_hand(tmp_path, capsys):
+    table = ev.sweep_table(synthetic_result({"a": [1.0, 2.0, 3.0], "b": [5.0]}))
+    # a: mean 2, sample std 1; 95% t-interval 2 ± 4.303 / sqrt(3) = 2 ± 2.4843
+    assert table[0]["loss"] == "2.0000 ± 1.0000" and table[0]["loss_en"] == "4.0000 ± 2.0000"
+    assert table[0]["loss_95ci"] == "[-0.4843, 4.4843]" and table[0]["seeds"] == "0,1,2"
+    assert table[0]["best_val_loss"] == "3.0000 ± 1.0000"
+    assert table[1]["loss"] == "5.0000" and table[1]["loss_95ci"] == "-"  # one seed: no spread claimed
+    path = tmp_path / "syn.json"
+    path.write_text(json.dumps(synthetic_result({"a": [1.0, 2.0, 3.0]})))
+    ev.main(["report", str(path), "--out", str(tmp_path / "r.md")])
+    text = (tmp_path / "r.md").read_text()
+    assert "| a | 0.01 | 0,1,2 | 2.0000 ± 1.0000 |" in text and "[-0.4843, 4.4843]" in text
+
+
+def test_t_quantiles_against_numerical_integration():
+    # P(T <= t) of Student's t with df degrees of freedom, by integrating its density (float64).
+    for df, t in enumerate(ev.T_975, start=1):
+        x = np.linspace(0, t, 200001)
+        pdf = math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2)) * (1 + x**2 / df) ** (-(df + 1) / 2)
+        assert 0.5 + np.trapezoid(pdf, x) == pytest.approx(0.975, abs=3e-5), df  # 3-decimal table: CDF within 2.5e-5
