@@ -30,7 +30,8 @@ R=$(best_lr results/lr_tune.json recipe); B=$(best_lr results/lr_tune.json basel
 echo "best lr: recipe $R, baseline $B"
 
 # 2. The two settings at γ=1 (recipe lr), and the baseline at its own lr; 3 seeds; loss + sink.
-$SWEEP --name settings --eval loss,sink --seeds 0,1,2 \
+# keep_steps: early checkpoints for the condensation trajectory (eval.py weights), free to keep.
+$SWEEP --name settings --eval loss,sink --seeds 0,1,2 --set "keep_steps=[0,5,10,20,40,80,160]" \
     --arm recipe=,lr=$R \
     --arm eps1e-5=,lr=$R,model.norm_eps=1e-5 \
     --arm no_gate=,lr=$R,model.attn_gate=none \
