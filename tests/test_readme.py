@@ -16,6 +16,7 @@ KIT = os.path.join(ROOT, "..", "shared", "data")
 
 # Fewer steps than the README: the commands and their plumbing are what is tested here.
 SHORT_TINY = "--max_steps=6 --warmup_steps=2 --eval_interval=3 --ckpt_interval=3 --global_batch=8 --batch_size=8"
+SHORT_SWEEP = " ".join(f"--set {s}" for s in ("max_steps=4", "warmup_steps=1", "eval_interval=2", "ckpt_interval=2"))
 SHORT_ANCHOR = "--max_steps=30 --warmup_steps=5 --eval_interval=15 --ckpt_interval=15 --log_interval=10"
 
 # README command -> (where, reduced variant or None for the command as written, why it differs).
@@ -43,6 +44,14 @@ COMMANDS = {
     "python train.py config/gamma1_1p5b.py --dry_run=8": ("run", None, ""),
     "python train.py export out/tiny_bytes/ckpt_00000500 tiny_bytes.pt":
         ("run", "python train.py export out/tiny_bytes/ckpt_00000006 tiny_bytes.pt", "the 6-step run's checkpoint"),
+    "python sweep.py config/cpu_lm.py --arm recipe= --arm baseline=config/_baseline.py --grid lr=1e-3,3e-3,1e-2 "
+    "--seeds 0,1,2 --name lr_grid --jobs 2":
+        ("run", "python sweep.py config/cpu_lm.py --arm recipe= --arm baseline=config/_baseline.py --grid lr=1e-3,1e-2 "
+                f"--seeds 0,1 --name lr_grid --jobs 2 --eval-tokens 4096 {SHORT_SWEEP} --set data_dir=data/bytes",
+         "4 steps, 2 lrs, 2 seeds, on the English bytes made above (data/bi_bytes comes later)"),
+    "python eval.py report results/lr_grid.json --plot-x lr --out report.md": ("run", None, ""),
+    "python sweep.py config/cpu_lm.py --arm 'g05=,gamma=0.5,lr=0.01' --arm 'g1=,gamma=1.0,lr=0.003' --seeds 0,1,2 "
+    "--name gamma_pair --dry-run": ("run", None, ""),
     "python prepare_data.py text --out data/bi_bytes --tokenizer bytes --source en=my_corpus/en,weight=0.5 "
     "--source 'zh=my_corpus/zh/*.txt,weight=0.5'": ("run", None, ""),
     "python train.py config/tiny_bytes.py --data_dir=data/bi_bytes --out_dir=out/g1 --max_steps=300 "
