@@ -22,7 +22,6 @@ in [−1, 1], antisymmetric in A and B, +1 when only A predicts the token.
 """
 import argparse
 import bz2
-import glob
 import io
 import json
 import math
@@ -30,14 +29,16 @@ import os
 import re
 import sys
 import time
-import warnings
 from fractions import Fraction
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from prepare_data import atomic_write_bytes
+from model import (GPT, capture_attention, config_for, cosine_stats, document_ids, init_model_, row_cosines,
+                   stable_rank, trace_residual)
+from prepare_data import (TokenLoader, anchor_accuracy, anchor_answer_kinds, atomic_write_bytes, get_tokenizer, load_meta,
+                          read_records, write_json)
+from train import find_checkpoints, load_model
 
 
 # ----------------------------------------------------------------------------- output helpers
@@ -83,24 +84,6 @@ def format_table(rows, markdown=False):
     return "\n".join(lines + ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells])
 
 
-def json_safe(obj):
-    """obj with every non-finite float as None: standard JSON has no NaN/Infinity, and an
-    undefined quantity (an error bar without residual degrees of freedom) is null."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
-
-
-def write_json(path, obj):
-    # Atomic: a reader (e.g. `report` over a results folder) never sees half a file.
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    atomic_write_bytes(os.fspath(path), [json.dumps(json_safe(obj), indent=1, allow_nan=False).encode()])
-
-
 def pyplot():
     try:
         import matplotlib
@@ -119,36 +102,7 @@ def save_figure(fig, path):
 
 
 # ----------------------------------------------------------------------------- weight structure
-
-def stable_rank(w):
-    """‖W‖_F² / ‖W‖_2², via the Gram matrix of the smaller side (cheap for a 100k-row lm_head)."""
-    w = w.detach().double()
-    gram = w @ w.T if w.shape[0] <= w.shape[1] else w.T @ w
-    top = torch.linalg.eigvalsh(gram)[-1]
-    return (torch.trace(gram) / top).item()
-
-
-def row_cosines(w, max_rows=2048, seed=0):
-    """Cosine similarity between the rows of w (each row: one output neuron's input weights).
-
-    A V×V matrix for a 50k-token embedding would not fit, so large matrices use a fixed random
-    subset of rows: the off-diagonal averages are unbiased estimates of the full ones."""
-    w = w.detach().double()
-    if w.shape[0] > max_rows:
-        rows = torch.randperm(w.shape[0], generator=torch.Generator().manual_seed(seed))[:max_rows]
-        w = w[rows]
-    unit = w / w.norm(dim=1, keepdim=True).clamp_min(1e-300)
-    return unit @ unit.T
-
-
-def cosine_stats(cos, threshold=0.7):
-    """Mean |cos| off the diagonal and the fraction of row pairs with |cos| > threshold.
-
-    |cos| because condensation aligns rows to a few directions up to sign: w and −w span the
-    same feature, and a sign flip is absorbed by the next layer."""
-    off = cos[~torch.eye(cos.shape[0], dtype=torch.bool)].abs()
-    return {"mean_abs_cos": off.mean().item(), "frac_cos_gt": (off > threshold).double().mean().item()}
-
+# stable_rank, row_cosines and cosine_stats live in model.py: train.py logs them too.
 
 def weight_matrices(state):
     """(name, 2-D matrix with one neuron per row) for every weight matrix of a state dict.
@@ -558,67 +512,6 @@ def effective_size(loss, fit):
     return n_eff, n_eff * math.sqrt(grad @ np.asarray(fit["cov"]) @ grad)
 
 
-# ----------------------------------------------------------------------------- checkpoints
-
-def complete_checkpoints(run_dir):
-    """A run's complete checkpoints, oldest first (train.py resumes from the last). Only renamed
-    folders holding DCP's index and train.py's meta.json count: a run killed while saving
-    leaves a tmp_ folder, never a ckpt_ folder, and a filesystem whose rename is a copy (FUSE
-    object stores) can't pass off a partial one."""
-    found = glob.glob(os.path.join(run_dir, "ckpt_*", "meta.json"))
-    return sorted(os.path.dirname(p) for p in found if os.path.exists(os.path.join(os.path.dirname(p), ".metadata")))
-
-
-def find_checkpoints(path):
-    """Checkpoint paths in a run folder (complete ckpt_* folders, step order), or [path]."""
-    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "meta.json")):
-        found = complete_checkpoints(path)
-        if not found:
-            raise SystemExit(f"{path}: no ckpt_*/meta.json inside; pass a .pt export, a checkpoint "
-                             "folder or a run folder written by train.py")
-        return found
-    if not (os.path.isfile(path) or os.path.isdir(path)):
-        raise SystemExit(f"{path}: no such checkpoint file or folder")
-    return [path]
-
-
-def load_model(path, device="cpu", attn_backend=None):
-    """The one model-loading path of every analysis: (GPT in eval mode, info) where info holds
-    the checkpoint's model_config, config, step and data_meta."""
-    from model import GPT, GPTConfig
-    path = find_checkpoints(path)[-1]
-    if os.path.isfile(path):
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-        if "model" not in blob or "model_config" not in blob:
-            raise SystemExit(f"{path}: not a smallinit export (needs 'model' and 'model_config'); "
-                             "make one with `python train.py export <ckpt_dir> <file.pt>`")
-        info = {k: v for k, v in blob.items() if k != "model"}
-    else:
-        with open(os.path.join(path, "meta.json")) as f:
-            info = json.load(f)
-    # Built on the meta device: the random init of GPT(cfg) would be overwritten anyway, and at
-    # 1.5B it costs a minute and a full extra copy of the weights in host memory.
-    with torch.device("meta"):
-        model = GPT(GPTConfig(**info["model_config"]))
-    model.to_empty(device=device)  # GPT.to_empty keeps tied embeddings tied
-    model.reset_buffers()  # non-persistent buffers are not in the checkpoint
-    if os.path.isfile(path):
-        model.load_state_dict(blob["model"])
-    else:
-        import torch.distributed.checkpoint as dcp
-        # DCP fills the given tensors in place and reads only the keys asked for ("model.*",
-        # not the optimizer); in a single process it needs no process group, and says so in a
-        # warning that would only confuse here.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.load({"model": model.state_dict()}, checkpoint_id=path)
-    if attn_backend or (model.cfg.attn_backend == "flex" and not str(device).startswith("cuda")):
-        # Flex kernels are CUDA-only here; sdpa shares its mask definition (model.py).
-        model.set_attn_backend(attn_backend or "sdpa")
-    info["path"] = path
-    return model.eval(), info
-
-
 @torch.no_grad()
 def token_logprobs(model, x, y, chunk_elements=1 << 26):
     """log p(y_t | x_≤t) per position (float32), 0 where y == −1 (masked).
@@ -660,7 +553,6 @@ def seq_len_of(args, info, max_seq_len):
 def val_batches(data, args, label, seq_len):
     """A fixed token budget of validation batches with their source index per token; returns
     (meta, seq_len used, batches)."""
-    from prepare_data import TokenLoader, load_meta
     # Record datasets (the anchor task) fix the window to one record.
     if "record_len" in load_meta(data):
         seq_len = None
@@ -725,7 +617,6 @@ def run_tokens(args):
 def document_starts(x, eot_id):
     """Position of the first token of each token's document, by the model's own rule
     (model.document_ids): the first position holding each non-decreasing document id."""
-    from model import document_ids
     ids = document_ids(x, eot_id).contiguous()
     return torch.searchsorted(ids, ids)
 
@@ -734,7 +625,6 @@ def document_starts(x, eot_id):
 def sink_shares(model, x):
     """Per layer (H,) attention share on the sequence's first token (queries ≥ 1) and, with
     document masking, on each query's document start (queries that are not that start)."""
-    from model import capture_attention
     if model.cfg.doc_mask:
         q = torch.arange(x.shape[1], device=x.device)
         doc = document_starts(x, model.cfg.eot_id)
@@ -807,7 +697,6 @@ def run_weights(args):
 def branch_ratios(model, inputs):
     """Per layer: RMS of the attention / MLP branch update over the RMS of the residual stream
     entering the block, each RMS averaged over the forwards of all inputs."""
-    from model import trace_residual
     device = next(model.parameters()).device
     with trace_residual(model) as trace:
         for x in inputs:
@@ -829,7 +718,6 @@ def run_residual(args):
         summary = {k: float(np.mean([r[k] for r in rows])) for k in ("attn_ratio", "mlp_ratio")}
         summary.update(split=args.split, seq_len=seq_len)
         return {"analysis": "residual", "ckpt": args.ckpt, "summary": summary, "rows": rows}
-    from model import GPT, config_for, init_model_
     rows = []
     for width in progress(args.widths, len(args.widths), "residual@init"):
         overrides = dict(d_model=width, mlp=args.mlp, attn_gate=args.attn_gate)
@@ -854,7 +742,6 @@ def run_residual(args):
 
 def tokenizer_of(info, tokenizer_dir=None):
     """(encode, decode, eot_id) for the tokenizer the checkpoint's data was prepared with."""
-    from prepare_data import get_tokenizer
     enc = get_tokenizer(info["data_meta"]["tokenizer"], tokenizer_dir)
     return enc.encode_ordinary, lambda ids: enc.decode(ids, errors="replace"), info["data_meta"]["eot_id"]
 
@@ -936,7 +823,6 @@ def anchor_scores(model, data_dir):
     """The anchor-function task: accuracy on seen pairs (train keys: val split; unseen keys: test
     split) and, on the held-out pair, the share of inferential (composite) vs symmetric (the
     mirror pair's rule) answers; scoring rules live with the generator in prepare_data.py."""
-    from prepare_data import anchor_accuracy, anchor_answer_kinds, load_meta, read_records
     meta = load_meta(data_dir)
     if "anchor" not in meta:
         raise SystemExit(f"{data_dir} is not an anchor-task folder; make one with `python prepare_data.py anchor`")

@@ -589,7 +589,8 @@ def init_model_(model, gamma=1.0, seed=0, overrides=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# Analysis hooks: no model code changes, just forward hooks. Use on an uncompiled model.
+# Analysis: forward hooks (no model code changes; use on an uncompiled model), then the
+# weight-structure metrics that train.py logs and eval.py's `weights` analysis reports.
 
 def _rms(t):
     return t.detach().float().pow(2).mean().sqrt().item()
@@ -635,3 +636,35 @@ def capture_attention(model, reduce=None):
     finally:
         for h in handles:
             h.remove()
+
+
+# Weight structure: the condensation signal (rows aligning to a few directions, low stable rank).
+
+def stable_rank(w):
+    """‖W‖_F² / ‖W‖_2², via the Gram matrix of the smaller side (cheap for a 100k-row lm_head)."""
+    w = w.detach().double()
+    gram = w @ w.T if w.shape[0] <= w.shape[1] else w.T @ w
+    top = torch.linalg.eigvalsh(gram)[-1]
+    return (torch.trace(gram) / top).item()
+
+
+def row_cosines(w, max_rows=2048, seed=0):
+    """Cosine similarity between the rows of w (each row: one output neuron's input weights).
+
+    A V×V matrix for a 50k-token embedding would not fit, so large matrices use a fixed random
+    subset of rows: the off-diagonal averages are unbiased estimates of the full ones."""
+    w = w.detach().double()
+    if w.shape[0] > max_rows:
+        rows = torch.randperm(w.shape[0], generator=torch.Generator().manual_seed(seed))[:max_rows]
+        w = w[rows]
+    unit = w / w.norm(dim=1, keepdim=True).clamp_min(1e-300)
+    return unit @ unit.T
+
+
+def cosine_stats(cos, threshold=0.7):
+    """Mean |cos| off the diagonal and the fraction of row pairs with |cos| > threshold.
+
+    |cos| because condensation aligns rows to a few directions up to sign: w and −w span the
+    same feature, and a sign flip is absorbed by the next layer."""
+    off = cos[~torch.eye(cos.shape[0], dtype=torch.bool)].abs()
+    return {"mean_abs_cos": off.mean().item(), "frac_cos_gt": (off > threshold).double().mean().item()}

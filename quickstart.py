@@ -23,8 +23,9 @@ import sys
 import threading
 import time
 
-from eval import pyplot, save_figure, write_json
-from prepare_data import AnchorTask, usable_cores
+from eval import pyplot, save_figure
+from prepare_data import AnchorTask, usable_cores, write_json
+from train import load_config
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -57,7 +58,6 @@ PROGRESS = re.compile(r"^step \d+")  # train.py's per-step and validation lines
 
 def config_overrides(config, wanted):
     """--key=value arguments for each wanted setting the config file resolves differently."""
-    from train import load_config  # beside this script, so on sys.path when it runs
     cfg = load_config([os.path.join(ROOT, config)])
     args, notes = [], []
     for key, value in wanted.items():

@@ -29,6 +29,7 @@ import resource
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import asdict
 
 import torch
@@ -38,10 +39,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from eval import complete_checkpoints, cosine_stats, load_model, row_cosines, stable_rank, write_json
 from init import format_report
-from model import GPT, GPTConfig, config_for, init_model_
-from prepare_data import TokenLoader, check_model_vocab
+from model import GPT, GPTConfig, config_for, cosine_stats, init_model_, row_cosines, stable_rank
+from prepare_data import TokenLoader, atomic_open, atomic_write_bytes, check_model_vocab, read_json, write_json
 
 # ----------------------------------------------------------------------------- defaults
 # run folder and data
@@ -291,8 +291,23 @@ def make_optimizer(net, cfg, device):
 
 
 # ----------------------------------------------------------------------------- checkpoints
+# The checkpoint format, its writer and its one reader (eval.py and export load through
+# load_model). A checkpoint is a folder out_dir/ckpt_{step:08d} holding DCP's shards and
+# .metadata index (model + optimizer), one rng_rank{r}.pt per rank, and meta.json (config,
+# model_config, data_meta, step, world_size, the loader's data_state). It is written as tmp_...
+# and renamed only when every part is on disk.
+
 # Settings that may change between a checkpoint and its resumption: how the same model is run.
 RUNTIME_MODEL_FIELDS = {"attn_backend", "activation_checkpointing", "moe_impl"}
+
+
+def complete_checkpoints(run_dir):
+    """A run's complete checkpoints, oldest first (train.py resumes from the last). Only renamed
+    folders holding DCP's index and train.py's meta.json count: a run killed while saving
+    leaves a tmp_ folder, never a ckpt_ folder, and a filesystem whose rename is a copy (FUSE
+    object stores) can't pass off a partial one."""
+    found = glob.glob(os.path.join(run_dir, "ckpt_*", "meta.json"))
+    return sorted(os.path.dirname(p) for p in found if os.path.exists(os.path.join(os.path.dirname(p), ".metadata")))
 
 
 def check_resumable(path, mcfg):
@@ -312,10 +327,8 @@ def save_checkpoint(cfg, step, net, opt, loader, meta):
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     # RNG streams differ per rank, so they can't be DCP entries (which are deduplicated).
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-    with open(os.path.join(tmp, f"rng_rank{rank}.pt"), "wb") as f:
+    with atomic_open(os.path.join(tmp, f"rng_rank{rank}.pt")) as f:
         torch.save(rng, f)
-        f.flush()
-        os.fsync(f.fileno())
     dist.barrier()  # every rank's shards are on disk before the folder becomes visible
     if rank == 0:
         write_json(os.path.join(tmp, "meta.json"), {
@@ -351,22 +364,63 @@ def load_checkpoint(path, net, opt, loader, cfg_weight_decay):
     return meta
 
 
+def find_checkpoints(path):
+    """Checkpoint paths in a run folder (complete ckpt_* folders, step order), or [path]."""
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "meta.json")):
+        found = complete_checkpoints(path)
+        if not found:
+            raise SystemExit(f"{path}: no ckpt_*/meta.json inside; pass a .pt export, a checkpoint "
+                             "folder or a run folder written by train.py")
+        return found
+    if not (os.path.isfile(path) or os.path.isdir(path)):
+        raise SystemExit(f"{path}: no such checkpoint file or folder")
+    return [path]
+
+
+def load_model(path, device="cpu", attn_backend=None):
+    """The one model-loading path (export and every analysis): (GPT in eval mode, info) where info holds
+    the checkpoint's model_config, config, step and data_meta."""
+    path = find_checkpoints(path)[-1]
+    if os.path.isfile(path):
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        if "model" not in blob or "model_config" not in blob:
+            raise SystemExit(f"{path}: not a smallinit export (needs 'model' and 'model_config'); "
+                             "make one with `python train.py export <ckpt_dir> <file.pt>`")
+        info = {k: v for k, v in blob.items() if k != "model"}
+    else:
+        info = read_json(os.path.join(path, "meta.json"))
+    # Built on the meta device: the random init of GPT(cfg) would be overwritten anyway, and at
+    # 1.5B it costs a minute and a full extra copy of the weights in host memory.
+    with torch.device("meta"):
+        net = GPT(GPTConfig(**info["model_config"]))
+    net.to_empty(device=device)  # GPT.to_empty keeps tied embeddings tied
+    net.reset_buffers()  # non-persistent buffers are not in the checkpoint
+    if os.path.isfile(path):
+        net.load_state_dict(blob["model"])
+    else:
+        # DCP fills the given tensors in place and reads only the keys asked for ("model.*",
+        # not the optimizer); in a single process it needs no process group, and says so in a
+        # warning that would only confuse here.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load({"model": net.state_dict()}, checkpoint_id=path)
+    if attn_backend or (net.cfg.attn_backend == "flex" and not str(device).startswith("cuda")):
+        # Flex kernels are CUDA-only here; sdpa shares its mask definition (model.py).
+        net.set_attn_backend(attn_backend or "sdpa")
+    info["path"] = path
+    return net.eval(), info
+
+
 def export(ckpt_dir, out_file):
     """DCP folder -> one torch.save file with the full fp32 model; no process group needed."""
     if not os.path.isfile(os.path.join(ckpt_dir, "meta.json")):
         raise SystemExit(f"export: {ckpt_dir} is not a complete checkpoint folder (no meta.json); "
                          f"pass an out_dir/ckpt_XXXXXXXX folder")
-    net, info = load_model(ckpt_dir)  # eval.py's one loading path: one process reads every shard
+    net, info = load_model(ckpt_dir)  # the one loading path: one process reads every shard
     payload = {"model": net.state_dict(), **{k: info[k] for k in ("model_config", "config", "step", "data_meta")}}
-    tmp = out_file + ".tmp"
-    torch.save(payload, tmp)
-    os.replace(tmp, out_file)
+    with atomic_open(out_file) as f:
+        torch.save(payload, f)
     print(f"exported {ckpt_dir} (step {info['step']}) -> {out_file}")
-
-
-def read_json(path):
-    with open(path) as f:
-        return json.load(f)
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -422,7 +476,7 @@ def matmul_peak(cfg, device):
 
 @torch.no_grad()
 def weight_structure(net, names):
-    """Stable rank ||W||_F^2 / ||W||_2^2 and row-cosine statistics (eval.py's definitions) of a
+    """Stable rank ||W||_F^2 / ||W||_2^2 and row-cosine statistics (model.py's definitions) of a
     few matrices: the condensation signal (γ=1 should show high cosine / low rank early that
     later relaxes)."""
     params = dict(net.named_parameters())
@@ -659,9 +713,7 @@ def truncate_metrics(path, step):
                     rows.append(line)
             except (json.JSONDecodeError, KeyError):
                 pass  # the half-written last row of a killed run
-    with open(path + ".tmp", "w") as f:
-        f.writelines(rows)
-    os.replace(path + ".tmp", path)
+    atomic_write_bytes(path, [row.encode() for row in rows])
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import eval as ev
-from model import GPT, GPTConfig, config_for, init_model_
+from model import GPT, GPTConfig, config_for, cosine_stats, init_model_, row_cosines, stable_rank
+from prepare_data import write_json
+from train import find_checkpoints, load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "..", "shared", "data")
@@ -27,13 +29,13 @@ EVAL_DATA = os.path.join(DATA, "eval")
 def test_stable_rank_matches_numpy_svd(shape):
     w = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
     s = np.linalg.svd(w.numpy().astype(np.float64), compute_uv=False)
-    assert ev.stable_rank(w) == pytest.approx((s ** 2).sum() / s[0] ** 2, rel=1e-9)
+    assert stable_rank(w) == pytest.approx((s ** 2).sum() / s[0] ** 2, rel=1e-9)
 
 
 def test_stable_rank_of_rank_one_plus_noise_is_near_one():
     g = torch.Generator().manual_seed(0)
     w = torch.outer(torch.randn(64, generator=g), torch.randn(48, generator=g)) + 1e-4 * torch.randn(64, 48, generator=g)
-    assert 1.0 <= ev.stable_rank(w) < 1.01
+    assert 1.0 <= stable_rank(w) < 1.01
 
 
 def brute_force_cosines(w, threshold):
@@ -53,7 +55,7 @@ def test_row_cosine_stats_match_brute_force_on_condensed_rows():
     signs = torch.tensor([1.0, -1.0])[torch.randint(2, (24,), generator=g)]
     w = signs[:, None] * directions[torch.randint(2, (24,), generator=g)] + 0.6 * torch.randn(24, 16, generator=g)
     mean_abs, frac = brute_force_cosines(w, 0.7)
-    stats = ev.cosine_stats(ev.row_cosines(w), 0.7)
+    stats = cosine_stats(row_cosines(w), 0.7)
     assert 0.05 < frac < 0.95
     assert stats["mean_abs_cos"] == pytest.approx(mean_abs, rel=1e-9)
     assert stats["frac_cos_gt"] == pytest.approx(frac, abs=1e-12)
@@ -68,10 +70,10 @@ def test_row_cosine_subsample_is_an_unbiased_estimate():
     full, _ = brute_force_cosines(w, 0.7)
     estimates = []
     for seed in range(300):
-        cos = ev.row_cosines(w, max_rows=10, seed=seed)
+        cos = row_cosines(w, max_rows=10, seed=seed)
         assert cos.shape == (10, 10)
-        estimates.append(ev.cosine_stats(cos)["mean_abs_cos"])
-    assert torch.equal(ev.row_cosines(w, 10, seed=7), ev.row_cosines(w, 10, seed=7))
+        estimates.append(cosine_stats(cos)["mean_abs_cos"])
+    assert torch.equal(row_cosines(w, 10, seed=7), row_cosines(w, 10, seed=7))
     assert np.mean(estimates) == pytest.approx(full, abs=4 * np.std(estimates) / math.sqrt(300))
     assert np.std(estimates) > 0.01  # the subsets really differ
 
@@ -324,11 +326,11 @@ def test_scaling_reads_loss_jsons_and_counts_nonembedding_params_by_default(tmp_
     baselines = []
     for i, (body, emb) in enumerate(sizes):
         path = tmp_path / f"base{i}.json"
-        ev.write_json(path, {"analysis": "loss", "summary": {"loss": law(body), "params_total": body + emb,
+        write_json(path, {"analysis": "loss", "summary": {"loss": law(body), "params_total": body + emb,
                                                             "params_active": body + emb, "params_embedding": emb}})
         baselines.append(str(path))
     compare = tmp_path / "gamma1.json"
-    ev.write_json(compare, {"analysis": "loss", "summary": {"loss": law(1.44 * 5e7), "params_total": 5e7 + 4e7,
+    write_json(compare, {"analysis": "loss", "summary": {"loss": law(1.44 * 5e7), "params_total": 5e7 + 4e7,
                                                           "params_active": 5e7 + 4e7, "params_embedding": 4e7}})
     result = ev.main(["scaling", "--baseline", *baselines, "--compare", str(compare)])
     assert result["summary"]["count"] == "nonembedding"
@@ -359,7 +361,7 @@ def test_scaling_and_report_commands(tmp_path, capsys):
     compare = result["rows"][-1]
     assert 0 < compare["size_ratio_err"] < 0.2
     loss_json = tmp_path / "loss.json"
-    ev.write_json(loss_json, {"analysis": "loss", "summary": {"loss": 2.5, "ppl": math.exp(2.5)}, "rows": []})
+    write_json(loss_json, {"analysis": "loss", "summary": {"loss": 2.5, "ppl": math.exp(2.5)}, "rows": []})
     report = tmp_path / "report.md"
     ev.main(["report", str(out), str(loss_json), "--out", str(report)])
     text = report.read_text()
@@ -448,14 +450,14 @@ def test_one_loading_path_for_exports_dcp_folders_and_run_folders(tmp_path):
     shutil.copytree(tmp_path / "run" / "ckpt_00000200", tmp_path / "run" / "tmp_ckpt_00000300")
     shutil.copytree(tmp_path / "run" / "ckpt_00000200", tmp_path / "run" / "ckpt_00000400")
     os.remove(tmp_path / "run" / "ckpt_00000400" / ".metadata")
-    loaded, info = ev.load_model(str(tmp_path / "run"))
+    loaded, info = load_model(str(tmp_path / "run"))
     assert info["step"] == 200 and torch.equal(loaded(x)[0], late(x)[0])
-    loaded, info = ev.load_model(export(early, tmp_path / "early.pt", step=100))
+    loaded, info = load_model(export(early, tmp_path / "early.pt", step=100))
     assert info["step"] == 100 and torch.equal(loaded(x)[0], early(x)[0])
-    assert [os.path.basename(p) for p in ev.find_checkpoints(str(tmp_path / "run"))] == ["ckpt_00000100", "ckpt_00000200"]
+    assert [os.path.basename(p) for p in find_checkpoints(str(tmp_path / "run"))] == ["ckpt_00000100", "ckpt_00000200"]
     torch.save({"weights": {}}, tmp_path / "foreign.pt")
     with pytest.raises(SystemExit, match="not a smallinit export"):
-        ev.load_model(str(tmp_path / "foreign.pt"))
+        load_model(str(tmp_path / "foreign.pt"))
 
 
 def test_load_model_builds_on_meta_and_keeps_tied_embeddings(tmp_path, monkeypatch):
@@ -465,7 +467,7 @@ def test_load_model_builds_on_meta_and_keeps_tied_embeddings(tmp_path, monkeypat
     original = torch.nn.Linear.reset_parameters
     monkeypatch.setattr(torch.nn.Linear, "reset_parameters",
                         lambda self: (devices.append(self.weight.device.type), original(self))[1])
-    loaded, _ = ev.load_model(path)
+    loaded, _ = load_model(path)
     assert devices and set(devices) == {"meta"}  # no random init ever ran on real memory
     assert loaded.lm_head.weight is loaded.tok_emb.weight
     assert loaded.num_params() == model.num_params()
