@@ -139,7 +139,7 @@ def plot(results, curves, path):
     """Training curves and held-out answer shares; False when matplotlib is missing."""
     try:
         plt = pyplot()
-    except SystemExit:  # matplotlib is optional: the quickstart says so and goes on
+    except ImportError:  # matplotlib is optional: the quickstart says so and goes on
         return False
     fig, (ax_loss, ax_share) = plt.subplots(1, 2, figsize=(11, 4))
     for r in results:
@@ -227,4 +227,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:  # train.py's config check (config_overrides): one line, no traceback
+        raise SystemExit(f"quickstart: {e}") from None

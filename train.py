@@ -40,7 +40,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from init import format_report
-from model import GPT, GPTConfig, config_for, cosine_stats, init_model_, row_cosines, stable_rank
+from model import ATTN_BACKENDS, GPT, GPTConfig, config_for, cosine_stats, init_model_, row_cosines, stable_rank
 from prepare_data import TokenLoader, atomic_open, atomic_write_bytes, check_model_vocab, read_json, write_json
 
 # ----------------------------------------------------------------------------- defaults
@@ -97,7 +97,7 @@ def _check_type(key, value, default):
     if want is float and type(value) is int:
         return float(value)
     if type(value) is not want:
-        raise SystemExit(f"config: {key}={value!r} is a {type(value).__name__}, expected a "
+        raise ValueError(f"config: {key}={value!r} is a {type(value).__name__}, expected a "
                          f"{want.__name__} like the default {default!r}")
     return value
 
@@ -105,7 +105,7 @@ def _check_type(key, value, default):
 def _unknown(key, valid, where):
     close = difflib.get_close_matches(key, list(valid), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    return SystemExit(f"config: unknown key {key!r} in {where}{hint}")
+    return ValueError(f"config: unknown key {key!r} in {where}{hint}")
 
 
 def _set(cfg, key, value, where, merge_dicts=False):
@@ -117,7 +117,7 @@ def _set(cfg, key, value, where, merge_dicts=False):
         # `--weight_decay.matrix=0.3` sets one entry and keeps the others (replacing the
         # whole dict from the command line would silently drop them).
         if type(default) is not dict:
-            raise SystemExit(f"config: {head} is not a dict setting: write --{head}=...")
+            raise ValueError(f"config: {head} is not a dict setting: write --{head}=...")
         value = {item: value}
     if type(default) is dict and default:  # fixed entries (weight_decay): each checked
         value = dict(_check_type(head, value, default))
@@ -151,7 +151,7 @@ def load_config(argv):
             _set(cfg, key, value, "the command line", merge_dicts=True)
         else:
             if not os.path.isfile(arg):
-                raise SystemExit(f"config: no such config file {arg!r} (arguments are config "
+                raise FileNotFoundError(f"config: no such config file {arg!r} (arguments are config "
                                  f"files and --key=value)")
             ns = copy.deepcopy(cfg)
             ns["include"] = lambda name, _dir=os.path.dirname(arg): _run_file(os.path.join(_dir, name), ns)
@@ -174,32 +174,32 @@ def _run_file(path, ns):
 
 def validate(cfg):
     if cfg["schedule"] not in SCHEDULES:
-        raise SystemExit(f"config: schedule={cfg['schedule']!r}: choose one of {SCHEDULES}")
-    if cfg["attn_backend"] not in ("auto", "flex", "sdpa", "eager"):
-        raise SystemExit(f"config: attn_backend={cfg['attn_backend']!r}: choose auto, flex, sdpa or eager")
+        raise ValueError(f"config: schedule={cfg['schedule']!r}: choose one of {SCHEDULES}")
+    if cfg["attn_backend"] not in ("auto", *ATTN_BACKENDS):
+        raise ValueError(f"config: attn_backend={cfg['attn_backend']!r}: choose one of auto, {', '.join(ATTN_BACKENDS)}")
     for key in ("seq_len", "global_batch", "batch_size", "max_steps", "log_interval",
                 "eval_interval", "eval_batches", "ckpt_interval", "keep_last"):
         if cfg[key] < 1:
-            raise SystemExit(f"config: {key}={cfg[key]} must be >= 1")
+            raise ValueError(f"config: {key}={cfg[key]} must be >= 1")
     for key in ("warmup_steps", "keep_every", "dry_run", "peak_flops", "grad_clip", "adam_eps"):
         if cfg[key] < 0:
-            raise SystemExit(f"config: {key}={cfg[key]} must be >= 0")
+            raise ValueError(f"config: {key}={cfg[key]} must be >= 0")
     if not all(type(s) is int and 0 <= s <= cfg["max_steps"] for s in cfg["keep_steps"]):
-        raise SystemExit(f"config: keep_steps={cfg['keep_steps']} must be whole steps between 0 and max_steps")
+        raise ValueError(f"config: keep_steps={cfg['keep_steps']} must be whole steps between 0 and max_steps")
     if not cfg["warmup_steps"] < cfg["max_steps"]:
-        raise SystemExit(f"config: warmup_steps={cfg['warmup_steps']} must be < max_steps={cfg['max_steps']}")
+        raise ValueError(f"config: warmup_steps={cfg['warmup_steps']} must be < max_steps={cfg['max_steps']}")
     if not cfg["lr"] > 0:
-        raise SystemExit(f"config: lr={cfg['lr']} must be > 0")
+        raise ValueError(f"config: lr={cfg['lr']} must be > 0")
     for key in ("min_lr_ratio", "decay_frac"):
         if not 0 <= cfg[key] <= 1:
-            raise SystemExit(f"config: {key}={cfg[key]} must be between 0 and 1")
+            raise ValueError(f"config: {key}={cfg[key]} must be between 0 and 1")
     if len(cfg["betas"]) != 2 or not all(0 <= b < 1 for b in cfg["betas"]):
-        raise SystemExit(f"config: betas={cfg['betas']} must be two numbers in [0, 1), e.g. (0.9, 0.95)")
+        raise ValueError(f"config: betas={cfg['betas']} must be two numbers in [0, 1), e.g. (0.9, 0.95)")
     if any(v < 0 for v in cfg["weight_decay"].values()):
-        raise SystemExit(f"config: weight_decay={cfg['weight_decay']} must be >= 0 in every group")
+        raise ValueError(f"config: weight_decay={cfg['weight_decay']} must be >= 0 in every group")
     mcfg = model_config(cfg, "cpu")  # unknown size / GPTConfig field / bad value fails here, no GPU needed
     if cfg["seq_len"] > mcfg.max_seq_len:
-        raise SystemExit(f"config: seq_len={cfg['seq_len']} > the model's max_seq_len={mcfg.max_seq_len}: "
+        raise ValueError(f"config: seq_len={cfg['seq_len']} > the model's max_seq_len={mcfg.max_seq_len}: "
                          f"lower seq_len or set --model.max_seq_len={cfg['seq_len']}")
 
 
@@ -210,13 +210,13 @@ def model_config(cfg, device_type):
     try:
         return config_for(cfg["model_size"], **{"attn_backend": backend, **cfg["model"]})
     except (ValueError, TypeError) as e:
-        raise SystemExit(f"config: model_size={cfg['model_size']!r}, model={cfg['model']}: {e}")
+        raise ValueError(f"config: model_size={cfg['model_size']!r}, model={cfg['model']}: {e}") from None
 
 
 def grad_accum(cfg, world):
     per_step = cfg["batch_size"] * world
     if cfg["global_batch"] % per_step:
-        raise SystemExit(f"config: global_batch={cfg['global_batch']} is not a multiple of "
+        raise ValueError(f"config: global_batch={cfg['global_batch']} is not a multiple of "
                          f"batch_size*world_size={cfg['batch_size']}*{world}; change batch_size")
     return cfg["global_batch"] // per_step
 
@@ -315,7 +315,7 @@ def check_resumable(path, mcfg):
     changed = [f"{k} {saved.get(k)!r} there, {v!r} now" for k, v in asdict(mcfg).items()
                if k not in RUNTIME_MODEL_FIELDS and saved.get(k) != v]
     if changed:
-        raise SystemExit(f"{path} holds a different model ({'; '.join(changed)}): resume with its settings "
+        raise ValueError(f"{path} holds a different model ({'; '.join(changed)}): resume with its settings "
                          f"or choose another out_dir")
 
 
@@ -354,7 +354,7 @@ def load_checkpoint(path, net, opt, loader, cfg_weight_decay):
     try:
         loader.load_state_dict(meta["data_state"])
     except ValueError as e:
-        raise SystemExit(f"resume from {path}: {e}")
+        raise ValueError(f"resume from {path}: {e}") from None
     rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
     if meta["world_size"] == dist.get_world_size():
         rng = torch.load(rng_file, weights_only=False)
@@ -369,11 +369,11 @@ def find_checkpoints(path):
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "meta.json")):
         found = complete_checkpoints(path)
         if not found:
-            raise SystemExit(f"{path}: no ckpt_*/meta.json inside; pass a .pt export, a checkpoint "
+            raise ValueError(f"{path}: no ckpt_*/meta.json inside; pass a .pt export, a checkpoint "
                              "folder or a run folder written by train.py")
         return found
     if not (os.path.isfile(path) or os.path.isdir(path)):
-        raise SystemExit(f"{path}: no such checkpoint file or folder")
+        raise FileNotFoundError(f"{path}: no such checkpoint file or folder")
     return [path]
 
 
@@ -384,7 +384,7 @@ def load_model(path, device="cpu", attn_backend=None):
     if os.path.isfile(path):
         blob = torch.load(path, map_location="cpu", weights_only=True)
         if "model" not in blob or "model_config" not in blob:
-            raise SystemExit(f"{path}: not a smallinit export (needs 'model' and 'model_config'); "
+            raise ValueError(f"{path}: not a smallinit export (needs 'model' and 'model_config'); "
                              "make one with `python train.py export <ckpt_dir> <file.pt>`")
         info = {k: v for k, v in blob.items() if k != "model"}
     else:
@@ -414,7 +414,7 @@ def load_model(path, device="cpu", attn_backend=None):
 def export(ckpt_dir, out_file):
     """DCP folder -> one torch.save file with the full fp32 model; no process group needed."""
     if not os.path.isfile(os.path.join(ckpt_dir, "meta.json")):
-        raise SystemExit(f"export: {ckpt_dir} is not a complete checkpoint folder (no meta.json); "
+        raise ValueError(f"export: {ckpt_dir} is not a complete checkpoint folder (no meta.json); "
                          f"pass an out_dir/ckpt_XXXXXXXX folder")
     net, info = load_model(ckpt_dir)  # the one loading path: one process reads every shard
     payload = {"model": net.state_dict(), **{k: info[k] for k in ("model_config", "config", "step", "data_meta")}}
@@ -517,7 +517,7 @@ def open_loader(cfg, split, rank, world):
         return TokenLoader(cfg["data_dir"], split, cfg["global_batch"] // world, cfg["seq_len"],
                            rank=rank, world_size=world, seed=cfg["seed"])
     except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"data: {e}")
+        raise type(e)(f"data: {e}") from None
 
 
 # ----------------------------------------------------------------------------- main
@@ -559,9 +559,9 @@ def train(cfg):
     try:
         check_model_vocab(data_meta, mcfg.vocab_size)
     except ValueError as e:
-        raise SystemExit(f"data: {e}")
+        raise ValueError(f"data: {e}") from None
     if mcfg.doc_mask and mcfg.eot_id != data_meta["eot_id"]:
-        raise SystemExit(f"config: model.eot_id={mcfg.eot_id} but {cfg['data_dir']} ends documents with "
+        raise ValueError(f"config: model.eot_id={mcfg.eot_id} but {cfg['data_dir']} ends documents with "
                          f"{data_meta['eot_id']}: set --model.eot_id={data_meta['eot_id']}")
     out = cfg["out_dir"]
     # Rank 0 lists the checkpoints and tells the others: on a shared filesystem another node's
@@ -570,7 +570,7 @@ def train(cfg):
     dist.broadcast_object_list(listing, src=0)
     done = listing[0]
     if done and not cfg["resume"]:
-        raise SystemExit(f"{out} already holds checkpoints ({os.path.basename(done[-1])}); "
+        raise ValueError(f"{out} already holds checkpoints ({os.path.basename(done[-1])}); "
                          f"pass --resume=True or choose another out_dir")
     net, init_report = build_model(cfg, mcfg, device)
     opt = make_optimizer(net, cfg, device)
@@ -663,7 +663,7 @@ def train(cfg):
             torch.nn.utils.clip_grads_with_norm_(grads, cfg["grad_clip"], norm)
         loss_val, norm_val = torch.stack([loss_sum, norm.to(loss_sum)]).tolist()  # one sync per step
         if not (math.isfinite(loss_val) and math.isfinite(norm_val)):
-            raise SystemExit(f"non-finite loss {loss_val} / grad norm {norm_val} at step {step + 1}; the "
+            raise FloatingPointError(f"non-finite loss {loss_val} / grad norm {norm_val} at step {step + 1}; the "
                              f"update was not applied. Last good checkpoint: {last_ckpt or 'none'} (intact). "
                              f"Resume from it with a lower lr, longer warmup or tighter grad_clip.")
         opt.step()
@@ -716,18 +716,25 @@ def truncate_metrics(path, step):
     atomic_write_bytes(path, [row.encode() for row in rows])
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["export"]:
-        if len(sys.argv) != 4:
+def main(argv):
+    if argv[:1] == ["export"]:
+        if len(argv) != 3:
             raise SystemExit("usage: python train.py export <ckpt_dir> <file.pt>")
-        export(sys.argv[2], sys.argv[3])
-    else:
-        config = load_config(sys.argv[1:])
-        if config["dry_run"]:
-            print_plan(config, config["dry_run"])
-        else:
-            try:
-                train(config)
-            finally:
-                if dist.is_initialized():
-                    dist.destroy_process_group()
+        export(argv[1], argv[2])
+        return
+    config = load_config(argv)
+    if config["dry_run"]:
+        print_plan(config, config["dry_run"])
+        return
+    try:
+        train(config)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input or a diverged run: one line, no traceback
+        raise SystemExit(str(e)) from None
