@@ -22,7 +22,6 @@ in [−1, 1], antisymmetric in A and B, +1 when only A predicts the token.
 """
 import argparse
 import bz2
-import glob
 import io
 import json
 import math
@@ -30,14 +29,16 @@ import os
 import re
 import sys
 import time
-import warnings
 from fractions import Fraction
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from prepare_data import atomic_write_bytes
+from model import (GPT, capture_attention, config_for, cosine_stats, document_ids, init_model_, row_cosines,
+                   stable_rank, trace_residual)
+from prepare_data import (TokenLoader, anchor_accuracy, anchor_answer_kinds, atomic_write_bytes, get_tokenizer, load_meta,
+                          read_records, write_json)
+from train import find_checkpoints, load_model
 
 
 # ----------------------------------------------------------------------------- output helpers
@@ -83,29 +84,11 @@ def format_table(rows, markdown=False):
     return "\n".join(lines + ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells])
 
 
-def json_safe(obj):
-    """obj with every non-finite float as None: standard JSON has no NaN/Infinity, and an
-    undefined quantity (an error bar without residual degrees of freedom) is null."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
-
-
-def write_json(path, obj):
-    # Atomic: a reader (e.g. `report` over a results folder) never sees half a file.
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    atomic_write_bytes(os.fspath(path), [json.dumps(json_safe(obj), indent=1, allow_nan=False).encode()])
-
-
 def pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit("--plot needs matplotlib, an optional dependency: pip install matplotlib")
+        raise ImportError("--plot needs matplotlib, an optional dependency: pip install matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
@@ -118,37 +101,217 @@ def save_figure(fig, path):
     print(f"wrote {path}", file=sys.stderr)
 
 
+# ----------------------------------------------------------------------------- reading checkpoints and data
+# load_model (train.py) is the one checkpoint reader; every analysis below starts here.
+
+@torch.no_grad()
+def token_logprobs(model, x, y, chunk_elements=1 << 26):
+    """log p(y_t | x_≤t) per position (float32), 0 where y == −1 (masked).
+
+    The log-softmax is never materialised: per chunk of positions, the target's logit minus
+    the logsumexp, in float32, so the extra memory is one chunk of about chunk_elements
+    logits (256 MB) instead of fp32 copies of all (B, T, V) (~13 GB at V=100k, B=8, T=2048).
+    The model's own (B, T, V) logits stay: model.forward returns them whole."""
+    logits, _ = model(x)
+    B, T, V = logits.shape
+    step = max(1, chunk_elements // (B * V))
+    out = torch.empty(B, T, dtype=torch.float32, device=logits.device)
+    for s in range(0, T, step):
+        chunk = logits[:, s:s + step].float()
+        target = chunk.gather(2, y[:, s:s + step].clamp_min(0)[..., None]).squeeze(2)
+        out[:, s:s + step] = target - torch.logsumexp(chunk, dim=2)
+    return out * (y >= 0)
+
+
+def data_dir_of(args, info):
+    """--data, else the run's own data_dir: the folder the analyses read validation batches from."""
+    data = args.data or (info.get("config") or {}).get("data_dir")
+    if not data:
+        raise ValueError("no validation data: pass --data <folder written by prepare_data.py>")
+    if not os.path.isfile(os.path.join(data, "meta.json")):
+        raise FileNotFoundError(f"{data}/meta.json not found: pass --data <folder written by prepare_data.py>"
+                                + ("" if args.data else " (the run's data_dir is gone or was on another machine)"))
+    return data
+
+
+def seq_len_of(wanted, info, max_seq_len):
+    """wanted (--seq-len), else the length the run trained at, else the model's window; never
+    more than max_seq_len, the longest sequence the model accepts."""
+    wanted = wanted or (info.get("config") or {}).get("seq_len") or max_seq_len
+    if wanted > max_seq_len:
+        print(f"seq_len {wanted} > the model's max_seq_len {max_seq_len}: using {max_seq_len}", file=sys.stderr)
+    return min(wanted, max_seq_len)
+
+
+def val_batches(data, split, batch_size, seq_len, tokens, seed, label):
+    """A fixed budget of about `tokens` tokens of `split`, as batches (x, y, source index per
+    token) behind a progress bar; returns (meta, seq_len used, batches)."""
+    # Record datasets (the anchor task) fix the window to one record.
+    if "record_len" in load_meta(data):
+        seq_len = None
+    loader = TokenLoader(data, split, batch_size, seq_len, seed=seed)
+    wanted = max(1, math.ceil(tokens / (batch_size * loader.seq_len)))
+    # The loader starts a new epoch (repeating tokens) after n_windows; never count a token twice.
+    n = min(wanted, loader.n_windows // batch_size)
+    if n < wanted:
+        print(f"{label}: the {split} split holds {n} batches, fewer than the --tokens budget", file=sys.stderr)
+    return loader.meta, loader.seq_len, progress((loader.next_batch(with_sources=True) for _ in range(n)), n, label)
+
+
+def models_and_batches(args, ckpts, label, attn_backend=None):
+    """The runners' common start: the models of ckpts on --device, and validation batches from
+    the first one's data (--data, --split, --tokens, --batch-size, --seq-len) at a length every
+    model accepts. Returns (models, info of the first, meta, seq_len, batches)."""
+    loaded = [load_model(ckpt, args.device, attn_backend) for ckpt in ckpts]
+    models, info = [model for model, _ in loaded], loaded[0][1]
+    max_len = min(model.cfg.max_seq_len for model in models)
+    meta, seq_len, batches = val_batches(data_dir_of(args, info), args.split, args.batch_size,
+                                         seq_len_of(args.seq_len, info, max_len), args.tokens, args.seed, label)
+    return models, info, meta, seq_len, batches
+
+
+# ----------------------------------------------------------------------------- loss
+
+def run_loss(args):
+    (model,), info, meta, seq_len, batches = models_and_batches(args, [args.ckpt], "loss")
+    sources = meta["sources"]
+    total, count = torch.zeros(len(sources), dtype=torch.float64), torch.zeros(len(sources), dtype=torch.float64)
+    for x, y, src in batches:
+        logp = token_logprobs(model, x.to(args.device), y.to(args.device)).cpu().double()
+        keep = y >= 0
+        total += torch.bincount(src[keep], weights=-logp[keep], minlength=len(sources))
+        count += torch.bincount(src[keep], minlength=len(sources)).double()
+    rows = [{"source": s, "tokens": int(n), "loss": float(t / n), "ppl": math.exp(t / n)}
+            for s, t, n in zip(sources, total.tolist(), count.tolist()) if n > 0]
+    loss = float(total.sum() / count.sum())
+    params = model.num_params()
+    params["nonembedding"] = params["total"] - params["embedding"]
+    summary = {"loss": loss, "ppl": math.exp(loss), "tokens": int(count.sum()), "split": args.split,
+               "seq_len": seq_len, "step": info.get("step"), **{f"params_{k}": v for k, v in params.items()}}
+    return {"analysis": "loss", "ckpt": args.ckpt, "summary": summary, "rows": rows}
+
+
+# ----------------------------------------------------------------------------- token-level comparison
+
+def delta_sym(logp_a, logp_b):
+    """(p_A − p_B) / (p_A + p_B) from log-probabilities.
+
+    Dividing by e^{(a+b)/2} gives (e^{(a−b)/2} − e^{−(a−b)/2}) / (e^{(a−b)/2} + e^{−(a−b)/2})
+    = tanh((a − b)/2): exact, and finite even when both probabilities underflow."""
+    return np.tanh((np.asarray(logp_a, np.float64) - np.asarray(logp_b, np.float64)) / 2)
+
+
+def difficulty_buckets(logp_a, logp_b, n_buckets=10):
+    """Equal-count buckets of tokens from easy to hard, difficulty = mean loss of both models.
+
+    Win rate of A counts a tie as half a win, so win(A, B) = 1 − win(B, A)."""
+    logp_a, logp_b = np.asarray(logp_a, np.float64), np.asarray(logp_b, np.float64)
+    if len(logp_a) < n_buckets:
+        raise ValueError(f"{len(logp_a)} tokens cannot fill {n_buckets} difficulty buckets: raise --tokens "
+                         "or lower --buckets")
+    difficulty = -(logp_a + logp_b) / 2
+    gap = delta_sym(logp_a, logp_b)
+    rows = []
+    for i, idx in enumerate(np.array_split(np.argsort(difficulty, kind="stable"), n_buckets)):
+        rows.append({"bucket": i, "count": len(idx),
+                     "difficulty_lo": float(difficulty[idx].min()), "difficulty_hi": float(difficulty[idx].max()),
+                     "mean_delta_sym": float(gap[idx].mean()),
+                     "win_rate_a": float(np.mean((gap[idx] > 0) + 0.5 * (gap[idx] == 0))),
+                     "loss_a": float(-logp_a[idx].mean()), "loss_b": float(-logp_b[idx].mean())})
+    return rows
+
+
+def plot_buckets(rows, path, label_a, label_b):
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = [r["bucket"] for r in rows]
+    ax.bar(x, [r["mean_delta_sym"] for r in rows], color="tab:blue", label=f"mean Δsym ({label_a} vs {label_b})")
+    ax.axhline(0, color="black", lw=0.8)
+    ax.set_xlabel("token difficulty bucket (0 = easiest, mean loss of both models)")
+    ax.set_ylabel("mean Δsym")
+    twin = ax.twinx()
+    twin.plot(x, [r["win_rate_a"] for r in rows], color="tab:red", marker="o", label=f"win rate of {label_a}")
+    twin.axhline(0.5, color="tab:red", lw=0.6, ls=":")
+    twin.set_ylabel("win rate")
+    fig.legend(loc="upper left", fontsize=8)
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def run_tokens(args):
+    (model_a, model_b), _, _, seq_len, batches = models_and_batches(args, [args.ckpt_a, args.ckpt_b], "tokens")
+    if model_a.cfg.vocab_size != model_b.cfg.vocab_size:
+        raise ValueError(f"vocab sizes differ ({model_a.cfg.vocab_size} vs {model_b.cfg.vocab_size}): "
+                         "per-token comparison needs two models on the same tokenizer")
+    logp_a, logp_b = [], []
+    for x, y, _ in batches:
+        x, y = x.to(args.device), y.to(args.device)
+        keep = y >= 0
+        logp_a.append(token_logprobs(model_a, x, y)[keep].cpu())
+        logp_b.append(token_logprobs(model_b, x, y)[keep].cpu())
+    logp_a, logp_b = torch.cat(logp_a).numpy(), torch.cat(logp_b).numpy()
+    rows = difficulty_buckets(logp_a, logp_b, args.buckets)
+    (overall,) = difficulty_buckets(logp_a, logp_b, 1)  # every token in one bucket: the totals
+    summary = {"tokens": overall["count"], "split": args.split, "seq_len": seq_len,
+               **{k: overall[k] for k in ("mean_delta_sym", "win_rate_a", "loss_a", "loss_b")}}
+    result = {"analysis": "tokens", "ckpt_a": args.ckpt_a, "ckpt_b": args.ckpt_b, "summary": summary, "rows": rows}
+    if args.plot:
+        plot_buckets(rows, args.plot, os.path.basename(args.ckpt_a.rstrip("/")), os.path.basename(args.ckpt_b.rstrip("/")))
+        result["plots"] = [args.plot]
+    return result
+
+
+# ----------------------------------------------------------------------------- attention sink (sink)
+
+def document_starts(x, eot_id):
+    """Position of the first token of each token's document, by the model's own rule
+    (model.document_ids): the first position holding each non-decreasing document id."""
+    ids = document_ids(x, eot_id).contiguous()
+    return torch.searchsorted(ids, ids)
+
+
+@torch.no_grad()
+def sink_shares(model, x):
+    """Per layer (H,) attention share on the sequence's first token (queries ≥ 1) and, with
+    document masking, on each query's document start (queries that are not that start)."""
+    if model.cfg.doc_mask:
+        q = torch.arange(x.shape[1], device=x.device)
+        doc = document_starts(x, model.cfg.eot_id)
+
+    def shares(p):  # reduced inside the hook: one layer's (B, H, T, T) probabilities at a time
+        # Only (B, H, T) columns are needed: slice them out before widening to float64, never
+        # the whole T x T matrix.
+        row = {"first": p[:, :, 1:, 0].double().mean(dim=(0, 2)).tolist()}
+        if model.cfg.doc_mask:
+            on_doc = p.gather(3, doc[:, None, :, None].expand(-1, p.shape[1], -1, 1)).squeeze(3).double()
+            not_start = (q != doc)[:, None, :].expand_as(on_doc)
+            row["doc_first"] = (on_doc * not_start).sum(dim=(0, 2)).div(not_start.sum(dim=(0, 2))).tolist()
+        return row
+
+    with capture_attention(model, reduce=shares) as layers:
+        model(x)
+    return layers
+
+
+def run_sink(args):
+    (model,), _, _, seq_len, batches = models_and_batches(args, [args.ckpt], "sink", attn_backend="eager")
+    totals, n = None, 0
+    for x, _, _ in batches:
+        layers = sink_shares(model, x.to(args.device))
+        arrays = {k: np.array([layer[k] for layer in layers]) for k in layers[0]}
+        totals = arrays if totals is None else {k: totals[k] + arrays[k] for k in totals}
+        n += 1
+    means = {k: v / n for k, v in totals.items()}
+    rows = [{"layer": i, "head": h, **{f"share_{k}": float(v[i, h]) for k, v in means.items()}}
+            for i in range(model.cfg.n_layer) for h in range(model.cfg.n_head)]
+    summary = {f"mean_share_{k}": float(v.mean()) for k, v in means.items()}
+    summary.update({f"max_share_{k}": float(v.max()) for k, v in means.items()})
+    summary.update(attn_gate=model.cfg.attn_gate, split=args.split, seq_len=seq_len)
+    return {"analysis": "sink", "ckpt": args.ckpt, "summary": summary, "rows": rows}
+
+
 # ----------------------------------------------------------------------------- weight structure
-
-def stable_rank(w):
-    """‖W‖_F² / ‖W‖_2², via the Gram matrix of the smaller side (cheap for a 100k-row lm_head)."""
-    w = w.detach().double()
-    gram = w @ w.T if w.shape[0] <= w.shape[1] else w.T @ w
-    top = torch.linalg.eigvalsh(gram)[-1]
-    return (torch.trace(gram) / top).item()
-
-
-def row_cosines(w, max_rows=2048, seed=0):
-    """Cosine similarity between the rows of w (each row: one output neuron's input weights).
-
-    A V×V matrix for a 50k-token embedding would not fit, so large matrices use a fixed random
-    subset of rows: the off-diagonal averages are unbiased estimates of the full ones."""
-    w = w.detach().double()
-    if w.shape[0] > max_rows:
-        rows = torch.randperm(w.shape[0], generator=torch.Generator().manual_seed(seed))[:max_rows]
-        w = w[rows]
-    unit = w / w.norm(dim=1, keepdim=True).clamp_min(1e-300)
-    return unit @ unit.T
-
-
-def cosine_stats(cos, threshold=0.7):
-    """Mean |cos| off the diagonal and the fraction of row pairs with |cos| > threshold.
-
-    |cos| because condensation aligns rows to a few directions up to sign: w and −w span the
-    same feature, and a sign flip is absorbed by the next layer."""
-    off = cos[~torch.eye(cos.shape[0], dtype=torch.bool)].abs()
-    return {"mean_abs_cos": off.mean().item(), "frac_cos_gt": (off > threshold).double().mean().item()}
-
+# stable_rank, row_cosines and cosine_stats live in model.py: train.py logs them too.
 
 def weight_matrices(state):
     """(name, 2-D matrix with one neuron per row) for every weight matrix of a state dict.
@@ -225,52 +388,323 @@ def plot_trajectory(steps, by_kind, path):
     plt.close(fig)
 
 
-# ----------------------------------------------------------------------------- token-level comparison
+def run_weights(args):
+    paths = [p for arg in args.ckpts for p in find_checkpoints(arg)]
+    series, last_state = [], None
+    for path in progress(paths, len(paths), "weights"):
+        model, info = load_model(path)
+        # Parameters only: buffers such as the MoE selection bias are not weights.
+        last_state = dict(model.named_parameters())
+        rows = weight_stats(last_state, args.threshold, args.max_rows)
+        series.append({"ckpt": path, "step": info.get("step"), "rows": rows, "by_kind": mean_by_kind(rows)})
+    last = series[-1]
+    if args.heatmap:  # of the last checkpoint
+        matrices = dict(weight_matrices(last_state))
+        if args.heatmap_matrix not in matrices:
+            raise ValueError(f"--heatmap-matrix {args.heatmap_matrix!r} is not a weight matrix; "
+                             f"choose one of: {', '.join(list(matrices)[:6])}, ...")
+        plot_cosine_heatmap(matrices[args.heatmap_matrix], args.heatmap, f"{args.heatmap_matrix} row cosine")
+    summary = {"checkpoints": len(series), "step": last["step"],
+               **{f"{m}": float(np.mean([r[m] for r in last["rows"]]))
+                  for m in ("stable_rank", "mean_abs_cos", "frac_cos_gt")}}
+    trajectory = [{"step": s["step"], **{f"{k['kind']}:{m}": k[m] for k in s["by_kind"]
+                                         for m in ("mean_abs_cos", "stable_rank")}} for s in series]
+    result = {"analysis": "weights", "summary": summary, "rows": last["by_kind"], "matrices": last["rows"],
+              "trajectory": trajectory, "threshold": args.threshold}
+    if args.plot:
+        kinds = [k["kind"] for k in last["by_kind"]]
+        by_kind = {kind: [next(k for k in s["by_kind"] if k["kind"] == kind) for s in series] for kind in kinds}
+        plot_trajectory([s["step"] for s in series], by_kind, args.plot)
+        result["plots"] = [args.plot]
+    return result
 
-def delta_sym(logp_a, logp_b):
-    """(p_A − p_B) / (p_A + p_B) from log-probabilities.
 
-    Dividing by e^{(a+b)/2} gives (e^{(a−b)/2} − e^{−(a−b)/2}) / (e^{(a−b)/2} + e^{−(a−b)/2})
-    = tanh((a − b)/2): exact, and finite even when both probabilities underflow."""
-    return np.tanh((np.asarray(logp_a, np.float64) - np.asarray(logp_b, np.float64)) / 2)
+# ----------------------------------------------------------------------------- residual stream (residual)
+
+@torch.no_grad()
+def branch_ratios(model, inputs):
+    """Per layer: RMS of the attention / MLP branch update over the RMS of the residual stream
+    entering the block, each RMS averaged over the forwards of all inputs."""
+    device = next(model.parameters()).device
+    with trace_residual(model) as trace:
+        for x in inputs:
+            model(x.to(device))
+    return [{"layer": i, "resid_rms": float(np.mean(t["resid_rms"])),
+             "attn_ratio": float(np.mean(t["attn_rms"]) / np.mean(t["resid_rms"])),
+             "mlp_ratio": float(np.mean(t["mlp_rms"]) / np.mean(t["resid_rms"]))} for i, t in enumerate(trace)]
 
 
-def difficulty_buckets(logp_a, logp_b, n_buckets=10):
-    """Equal-count buckets of tokens from easy to hard, difficulty = mean loss of both models.
+INIT_SEQ_LEN = 256  # residual --init without --seq-len
 
-    Win rate of A counts a tie as half a win, so win(A, B) = 1 − win(B, A)."""
-    logp_a, logp_b = np.asarray(logp_a, np.float64), np.asarray(logp_b, np.float64)
-    if len(logp_a) < n_buckets:
-        raise ValueError(f"{len(logp_a)} tokens cannot fill {n_buckets} difficulty buckets: raise --tokens "
-                         "or lower --buckets")
-    difficulty = -(logp_a + logp_b) / 2
-    gap = delta_sym(logp_a, logp_b)
+
+def run_residual(args):
+    if not args.init:
+        (model,), _, _, seq_len, batches = models_and_batches(args, [args.ckpt], "residual")
+        rows = branch_ratios(model, (x for x, _, _ in batches))
+        summary = {k: float(np.mean([r[k] for r in rows])) for k in ("attn_ratio", "mlp_ratio")}
+        summary.update(split=args.split, seq_len=seq_len)
+        return {"analysis": "residual", "ckpt": args.ckpt, "summary": summary, "rows": rows}
     rows = []
-    for i, idx in enumerate(np.array_split(np.argsort(difficulty, kind="stable"), n_buckets)):
-        rows.append({"bucket": i, "count": len(idx),
-                     "difficulty_lo": float(difficulty[idx].min()), "difficulty_hi": float(difficulty[idx].max()),
-                     "mean_delta_sym": float(gap[idx].mean()),
-                     "win_rate_a": float(np.mean((gap[idx] > 0) + 0.5 * (gap[idx] == 0))),
-                     "loss_a": float(-logp_a[idx].mean()), "loss_b": float(-logp_b[idx].mean())})
-    return rows
+    for width in progress(args.widths, len(args.widths), "residual@init"):
+        overrides = dict(d_model=width, mlp=args.mlp, attn_gate=args.attn_gate)
+        cfg = config_for(args.size, **overrides)
+        model = GPT(cfg)
+        init_model_(model, gamma=args.gamma, seed=args.seed)
+        # Random tokens at init: no training length to follow, only the model's window.
+        seq_len = min(args.seq_len or INIT_SEQ_LEN, cfg.max_seq_len)
+        x = torch.randint(cfg.vocab_size, (args.batch_size, seq_len), generator=torch.Generator().manual_seed(args.seed))
+        layers = branch_ratios(model.to(args.device).eval(), [x])
+        # Block 0 sees the embedding alone, where the d^(1−γ) law is clean; later blocks see a
+        # residual already grown by earlier branches (by a width-dependent amount when γ < 1).
+        rows.append({"d_model": width, **{f"{k}_block0": layers[0][k] for k in ("attn_ratio", "mlp_ratio")},
+                     **{f"{k}_mean": float(np.mean([r[k] for r in layers])) for k in ("attn_ratio", "mlp_ratio")}})
+    log_d = np.log([r["d_model"] for r in rows])
+    # Theory (README): attention and gelu branches scale as d^(1−γ), SwiGLU as d^(1.5−2γ).
+    summary = {f"{k}_exponent": float(np.polyfit(log_d, np.log([r[k] for r in rows]), 1)[0])
+               for k in rows[0] if k != "d_model"}
+    summary.update(gamma=args.gamma, mlp=args.mlp)
+    return {"analysis": "residual_init", "summary": summary, "rows": rows}
 
 
-def plot_buckets(rows, path, label_a, label_b):
+# ----------------------------------------------------------------------------- scaling law
+
+def fit_power_law(n, loss, alphas=np.linspace(0.01, 3.0, 600)):
+    """Least-squares fit of L(N) = a·N^(−α) + c with the Jacobian standard errors.
+
+    For a fixed α the model is linear in (a, c), so each α gets its exact best (a, c) and only
+    α is searched (grid, then golden section): no start values, no local minima in (a, c).
+    N is scaled by its geometric mean n0 so N^(−α) stays O(1) for every α."""
+    n, loss = np.asarray(n, np.float64), np.asarray(loss, np.float64)
+    if len(n) < 3:
+        raise ValueError(f"a power law with offset has 3 parameters; got {len(n)} baseline points: "
+                         "pass at least 3 --baseline runs (4+ for error bars)")
+    n0 = float(np.exp(np.log(n).mean()))
+    logx = np.log(n / n0)
+
+    def solve(alpha):
+        design = np.stack([np.exp(-alpha * logx), np.ones_like(logx)], 1)
+        coef = np.linalg.lstsq(design, loss, rcond=None)[0]
+        return coef, float(((design @ coef - loss) ** 2).sum())
+
+    sse = [solve(a)[1] for a in alphas]
+    i = int(np.argmin(sse))
+    if solve(alphas[i])[0][0] <= 0:
+        raise ValueError("the best fit has a <= 0: the baseline loss does not decrease with N, so no power law "
+                         "describes it; check the baseline runs (same data, tokens, --count) or add sizes")
+    if i in (0, len(alphas) - 1):
+        raise ValueError(f"the best exponent is at the edge of the searched range α in [{alphas[0]:g}, {alphas[-1]:g}]: "
+                         "the baselines do not pin down a power law with offset; add sizes or check their losses")
+    lo, hi = alphas[max(i - 1, 0)], alphas[min(i + 1, len(alphas) - 1)]
+    golden = (math.sqrt(5) - 1) / 2
+    for _ in range(100):
+        m1, m2 = hi - golden * (hi - lo), lo + golden * (hi - lo)
+        lo, hi = (lo, m2) if solve(m1)[1] < solve(m2)[1] else (m1, hi)
+    alpha = (lo + hi) / 2
+    (a_ref, c), residual = solve(alpha)
+    # Covariance s²(JᵀJ)⁻¹ of (a_ref, α, c); needs a residual degree of freedom to estimate s².
+    u = np.exp(-alpha * logx)
+    jac = np.stack([u, -a_ref * logx * u, np.ones_like(u)], 1)
+    # 3 points fit exactly: no error estimate (None, JSON null) rather than NaN.
+    dof = len(n) - 3
+    cov = (residual / dof * np.linalg.inv(jac.T @ jac)).tolist() if dof > 0 else None
+    return {"a": a_ref * n0 ** alpha, "alpha": alpha, "c": c, "a_ref": a_ref, "n0": n0, "cov": cov,
+            "alpha_err": math.sqrt(cov[1][1]) if cov else None, "c_err": math.sqrt(cov[2][2]) if cov else None,
+            "rmse": math.sqrt(residual / len(n))}
+
+
+def effective_size(loss, fit):
+    """N_eff with L(N_eff) = loss, i.e. N_eff = n0·(a_ref/(loss − c))^(1/α), and its standard
+    error by the delta method on log N_eff with the fit covariance (None without one)."""
+    a_ref, alpha, c = fit["a_ref"], fit["alpha"], fit["c"]
+    if loss <= c:
+        raise ValueError(f"loss {loss:.4f} is below the fitted irreducible loss c={c:.4f}: "
+                         "no finite size reaches it; fit with more/larger baselines")
+    log_ratio = (math.log(a_ref) - math.log(loss - c)) / alpha
+    grad = np.array([1 / (alpha * a_ref), -log_ratio / alpha, 1 / (alpha * (loss - c))])
+    n_eff = fit["n0"] * math.exp(log_ratio)
+    if fit["cov"] is None:
+        return n_eff, None
+    return n_eff, n_eff * math.sqrt(grad @ np.asarray(fit["cov"]) @ grad)
+
+
+def params_of(summary, count, name):
+    """N of a loss result: total, active (MoE experts at top_k/E) or nonembedding = total minus
+    the input embedding (Kaplan et al.), which keeps a 50k-100k-row table from dominating small
+    models' N and bending α."""
+    if "params_total" not in summary:
+        raise ValueError(f"{name}: no params_* in its summary; pass loss JSONs from `eval.py loss --json-out`")
+    if count == "nonembedding":
+        return summary["params_total"] - summary["params_embedding"]
+    return summary[f"params_{count}"]
+
+
+def run_scaling(args):
+    def points(specs):
+        out = []
+        for spec in specs:
+            if "=" in spec:  # literal N=loss, e.g. 1.5e9=2.41
+                n, loss = spec.split("=")
+                out.append({"name": spec, "params": float(n), "loss": float(loss)})
+            else:
+                with open(spec) as f:
+                    summary = json.load(f)["summary"]
+                out.append({"name": spec, "params": float(params_of(summary, args.count, spec)), "loss": summary["loss"]})
+        return out
+
+    base, compare = points(args.baseline), points(args.compare)
+    fit = fit_power_law([p["params"] for p in base], [p["loss"] for p in base])
+    rows = [{**p, "role": "baseline", "fit_loss": fit["a"] * p["params"] ** -fit["alpha"] + fit["c"]} for p in base]
+    for p in compare:
+        n_eff, err = effective_size(p["loss"], fit)
+        rows.append({**p, "role": "compare", "effective_params": n_eff, "size_ratio": n_eff / p["params"],
+                     "size_ratio_err": None if err is None else err / p["params"]})
+    # N=loss literals are taken as given; --count says how loss JSONs were read.
+    count = args.count if any("=" not in spec for spec in args.baseline + args.compare) else "as given"
+    summary = {"count": count, **{k: fit[k] for k in ("a", "alpha", "alpha_err", "c", "c_err", "rmse")}}
+    ratios = [r["size_ratio"] for r in rows if r["role"] == "compare"]
+    if ratios:
+        summary["mean_size_ratio"] = float(np.mean(ratios))
+    result = {"analysis": "scaling", "summary": summary, "rows": rows, "fit": fit}
+    if args.plot:
+        plot_scaling(rows, fit, args.plot)
+        result["plots"] = [args.plot]
+    return result
+
+
+def plot_scaling(rows, fit, path):
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    x = [r["bucket"] for r in rows]
-    ax.bar(x, [r["mean_delta_sym"] for r in rows], color="tab:blue", label=f"mean Δsym ({label_a} vs {label_b})")
-    ax.axhline(0, color="black", lw=0.8)
-    ax.set_xlabel("token difficulty bucket (0 = easiest, mean loss of both models)")
-    ax.set_ylabel("mean Δsym")
-    twin = ax.twinx()
-    twin.plot(x, [r["win_rate_a"] for r in rows], color="tab:red", marker="o", label=f"win rate of {label_a}")
-    twin.axhline(0.5, color="tab:red", lw=0.6, ls=":")
-    twin.set_ylabel("win rate")
-    fig.legend(loc="upper left", fontsize=8)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    n = np.geomspace(min(r["params"] for r in rows) / 2, max(r["params"] for r in rows) * 2, 100)
+    ax.plot(n, fit["a"] * n ** -fit["alpha"] + fit["c"], color="gray",
+            label=f"fit α={fit['alpha']:.3f}±{fmt(fit['alpha_err'])}, c={fit['c']:.3f}")
+    for role, color in (("baseline", "tab:blue"), ("compare", "tab:red")):
+        sel = [r for r in rows if r["role"] == role]
+        ax.scatter([r["params"] for r in sel], [r["loss"] for r in sel], color=color, label=role)
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters N")
+    ax.set_ylabel("validation loss")
+    ax.legend(fontsize=8)
     save_figure(fig, path)
     plt.close(fig)
 
+
+# ----------------------------------------------------------------------------- report
+
+# Two-sided 95% Student-t quantiles t_{0.975, df}; past 30 degrees of freedom the normal 1.96
+# is within 2%. A 3-seed mean has df=2: its interval is 4.3 standard errors wide each side.
+T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042]
+
+
+def mean_interval(values):
+    """(mean, sample std, half-width of the 95% t-interval of the mean); std and interval are
+    None for one value (no spread can be estimated from one seed)."""
+    n, mean = len(values), float(np.mean(values))
+    if n < 2:
+        return mean, None, None
+    std = float(np.std(values, ddof=1))
+    return mean, std, (T_975[n - 2] if n <= 31 else 1.96) * std / math.sqrt(n)
+
+
+def config_value(config, key):
+    """A resolved train.py setting by its sweep name: 'lr', 'model.norm_eps', 'weight_decay.matrix'.
+    A model field the run left at its default is read from GPTConfig (the run's model dict
+    holds only what was set)."""
+    head, _, item = key.partition(".")
+    value = config[head]
+    if not item:
+        return value
+    if item in value:
+        return value[item]
+    if head == "model":
+        return getattr(config_for(config["model_size"], **config["model"]), item)
+    raise KeyError(key)
+
+
+def sweep_metrics(row):
+    """The numbers a sweep row is compared by: eval.py loss (overall and per source), the
+    first-token attention share when `sink` was evaluated, and train.py's best val loss."""
+    loss = row["eval"]["loss"]
+    out = {"loss": loss["summary"]["loss"], **{f"loss_{r['source']}": r["loss"] for r in loss["rows"]}}
+    if "sink" in row["eval"]:
+        out["sink_first"] = row["eval"]["sink"]["summary"]["mean_share_first"]
+    out["best_val_loss"] = row["best_val_loss"]
+    return out
+
+
+def sweep_table(result):
+    """One line per arm x grid setting: every metric as mean ± std over its seeds, and the loss's
+    95% interval. Groups keep the order of the sweep's points."""
+    groups = {}
+    for row in result["rows"]:
+        groups.setdefault((row["arm"], json.dumps(row["setting"], sort_keys=True)), []).append(row)
+    lines = []
+    for (arm, _), rows in groups.items():
+        metrics = [sweep_metrics(r) for r in rows]
+        line = {"arm": arm, **rows[0]["setting"], "seeds": ",".join(str(r["seed"]) for r in rows)}
+        for key in metrics[0]:
+            mean, std, _ = mean_interval([m[key] for m in metrics])
+            line[key] = f"{mean:.4f}" + ("" if std is None else f" ± {std:.4f}")
+        mean, _, half = mean_interval([m["loss"] for m in metrics])
+        line["loss_95ci"] = "-" if half is None else f"[{mean - half:.4f}, {mean + half:.4f}]"
+        line["tokens"] = rows[0]["tokens"]
+        lines.append(line)
+    return lines
+
+
+def plot_sweep(result, x_key, path):
+    """Loss (mean ± std over seeds, and every seed as a dot) against one setting, a line per arm
+    when the arms differ in something else."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    series = {}
+    for row in result["rows"]:
+        label = result["name"] if x_key in row["arm_set"] else row["arm"]
+        series.setdefault(label, {}).setdefault(config_value(row["config"], x_key), []).append(
+            row["eval"]["loss"]["summary"]["loss"])
+    for label, points in series.items():
+        xs = sorted(points)
+        stats = [mean_interval(points[x]) for x in xs]
+        ax.errorbar(xs, [s[0] for s in stats], yerr=[s[1] or 0 for s in stats], marker="o", capsize=3, label=label)
+        for x in xs:
+            ax.scatter([x] * len(points[x]), points[x], s=8, color="gray", zorder=3)
+    if all(isinstance(x, float) and x > 0 for pts in series.values() for x in pts) and x_key in ("lr", "model.norm_eps"):
+        ax.set_xscale("log")
+    ax.set_xlabel(x_key)
+    ax.set_ylabel("validation loss (eval.py loss)")
+    ax.set_title(result["name"])
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def run_report(args):
+    groups = {}
+    for path in args.results:
+        with open(path) as f:
+            result = json.load(f)
+        groups.setdefault(result["analysis"], []).append((path, result))
+    lines = []
+    for path, result in groups.pop("sweep", []):
+        lines += [f"### sweep {result['name']} ({os.path.basename(path)}; {result['summary']['finished']} of "
+                  f"{result['summary']['points']} points)", "", format_table(sweep_table(result), markdown=True), ""]
+        if args.plot_x:
+            plot = os.path.splitext(path)[0] + ".png"
+            plot_sweep(result, args.plot_x, plot)
+            lines += [f"![{result['name']}]({os.path.relpath(plot, os.path.dirname(os.path.abspath(args.out)))})", ""]
+    for analysis, items in groups.items():
+        lines += [f"### {analysis}", "", format_table([{"file": os.path.basename(p), **r["summary"]} for p, r in items],
+                                                      markdown=True), ""]
+        lines += [f"![{analysis}]({os.path.relpath(plot, os.path.dirname(os.path.abspath(args.out)))})"
+                  for _, r in items for plot in r.get("plots", [])]
+    text = "\n".join(lines) + "\n"
+    atomic_write_bytes(args.out, [text.encode()])
+    print(text)
+    return None
+
+
+# Downstream benchmarks (`bench`) from here to anchor_scores: HellaSwag, GSM8K, MATH-500, anchor task.
 
 # ----------------------------------------------------------------------------- multiple choice (HellaSwag)
 
@@ -497,364 +931,8 @@ def few_shot_prompt(shots, question, task):
     return "".join(parts) + f"{q}: {question}\n{a}:", f"\n\n{q}:"
 
 
-# ----------------------------------------------------------------------------- scaling law
-
-def fit_power_law(n, loss, alphas=np.linspace(0.01, 3.0, 600)):
-    """Least-squares fit of L(N) = a·N^(−α) + c with the Jacobian standard errors.
-
-    For a fixed α the model is linear in (a, c), so each α gets its exact best (a, c) and only
-    α is searched (grid, then golden section): no start values, no local minima in (a, c).
-    N is scaled by its geometric mean n0 so N^(−α) stays O(1) for every α."""
-    n, loss = np.asarray(n, np.float64), np.asarray(loss, np.float64)
-    if len(n) < 3:
-        raise ValueError(f"a power law with offset has 3 parameters; got {len(n)} baseline points: "
-                         "pass at least 3 --baseline runs (4+ for error bars)")
-    n0 = float(np.exp(np.log(n).mean()))
-    logx = np.log(n / n0)
-
-    def solve(alpha):
-        design = np.stack([np.exp(-alpha * logx), np.ones_like(logx)], 1)
-        coef = np.linalg.lstsq(design, loss, rcond=None)[0]
-        return coef, float(((design @ coef - loss) ** 2).sum())
-
-    sse = [solve(a)[1] for a in alphas]
-    i = int(np.argmin(sse))
-    if solve(alphas[i])[0][0] <= 0:
-        raise ValueError("the best fit has a <= 0: the baseline loss does not decrease with N, so no power law "
-                         "describes it; check the baseline runs (same data, tokens, --count) or add sizes")
-    if i in (0, len(alphas) - 1):
-        raise ValueError(f"the best exponent is at the edge of the searched range α in [{alphas[0]:g}, {alphas[-1]:g}]: "
-                         "the baselines do not pin down a power law with offset; add sizes or check their losses")
-    lo, hi = alphas[max(i - 1, 0)], alphas[min(i + 1, len(alphas) - 1)]
-    golden = (math.sqrt(5) - 1) / 2
-    for _ in range(100):
-        m1, m2 = hi - golden * (hi - lo), lo + golden * (hi - lo)
-        lo, hi = (lo, m2) if solve(m1)[1] < solve(m2)[1] else (m1, hi)
-    alpha = (lo + hi) / 2
-    (a_ref, c), residual = solve(alpha)
-    # Covariance s²(JᵀJ)⁻¹ of (a_ref, α, c); needs a residual degree of freedom to estimate s².
-    u = np.exp(-alpha * logx)
-    jac = np.stack([u, -a_ref * logx * u, np.ones_like(u)], 1)
-    # 3 points fit exactly: no error estimate (None, JSON null) rather than NaN.
-    dof = len(n) - 3
-    cov = (residual / dof * np.linalg.inv(jac.T @ jac)).tolist() if dof > 0 else None
-    return {"a": a_ref * n0 ** alpha, "alpha": alpha, "c": c, "a_ref": a_ref, "n0": n0, "cov": cov,
-            "alpha_err": math.sqrt(cov[1][1]) if cov else None, "c_err": math.sqrt(cov[2][2]) if cov else None,
-            "rmse": math.sqrt(residual / len(n))}
-
-
-def effective_size(loss, fit):
-    """N_eff with L(N_eff) = loss, i.e. N_eff = n0·(a_ref/(loss − c))^(1/α), and its standard
-    error by the delta method on log N_eff with the fit covariance (None without one)."""
-    a_ref, alpha, c = fit["a_ref"], fit["alpha"], fit["c"]
-    if loss <= c:
-        raise ValueError(f"loss {loss:.4f} is below the fitted irreducible loss c={c:.4f}: "
-                         "no finite size reaches it; fit with more/larger baselines")
-    log_ratio = (math.log(a_ref) - math.log(loss - c)) / alpha
-    grad = np.array([1 / (alpha * a_ref), -log_ratio / alpha, 1 / (alpha * (loss - c))])
-    n_eff = fit["n0"] * math.exp(log_ratio)
-    if fit["cov"] is None:
-        return n_eff, None
-    return n_eff, n_eff * math.sqrt(grad @ np.asarray(fit["cov"]) @ grad)
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-def complete_checkpoints(run_dir):
-    """A run's complete checkpoints, oldest first (train.py resumes from the last). Only renamed
-    folders holding DCP's index and train.py's meta.json count: a run killed while saving
-    leaves a tmp_ folder, never a ckpt_ folder, and a filesystem whose rename is a copy (FUSE
-    object stores) can't pass off a partial one."""
-    found = glob.glob(os.path.join(run_dir, "ckpt_*", "meta.json"))
-    return sorted(os.path.dirname(p) for p in found if os.path.exists(os.path.join(os.path.dirname(p), ".metadata")))
-
-
-def find_checkpoints(path):
-    """Checkpoint paths in a run folder (complete ckpt_* folders, step order), or [path]."""
-    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "meta.json")):
-        found = complete_checkpoints(path)
-        if not found:
-            raise SystemExit(f"{path}: no ckpt_*/meta.json inside; pass a .pt export, a checkpoint "
-                             "folder or a run folder written by train.py")
-        return found
-    if not (os.path.isfile(path) or os.path.isdir(path)):
-        raise SystemExit(f"{path}: no such checkpoint file or folder")
-    return [path]
-
-
-def load_model(path, device="cpu", attn_backend=None):
-    """The one model-loading path of every analysis: (GPT in eval mode, info) where info holds
-    the checkpoint's model_config, config, step and data_meta."""
-    from model import GPT, GPTConfig
-    path = find_checkpoints(path)[-1]
-    if os.path.isfile(path):
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-        if "model" not in blob or "model_config" not in blob:
-            raise SystemExit(f"{path}: not a smallinit export (needs 'model' and 'model_config'); "
-                             "make one with `python train.py export <ckpt_dir> <file.pt>`")
-        info = {k: v for k, v in blob.items() if k != "model"}
-    else:
-        with open(os.path.join(path, "meta.json")) as f:
-            info = json.load(f)
-    # Built on the meta device: the random init of GPT(cfg) would be overwritten anyway, and at
-    # 1.5B it costs a minute and a full extra copy of the weights in host memory.
-    with torch.device("meta"):
-        model = GPT(GPTConfig(**info["model_config"]))
-    model.to_empty(device=device)  # GPT.to_empty keeps tied embeddings tied
-    model.reset_buffers()  # non-persistent buffers are not in the checkpoint
-    if os.path.isfile(path):
-        model.load_state_dict(blob["model"])
-    else:
-        import torch.distributed.checkpoint as dcp
-        # DCP fills the given tensors in place and reads only the keys asked for ("model.*",
-        # not the optimizer); in a single process it needs no process group, and says so in a
-        # warning that would only confuse here.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.load({"model": model.state_dict()}, checkpoint_id=path)
-    if attn_backend or (model.cfg.attn_backend == "flex" and not str(device).startswith("cuda")):
-        # Flex kernels are CUDA-only here; sdpa shares its mask definition (model.py).
-        model.set_attn_backend(attn_backend or "sdpa")
-    info["path"] = path
-    return model.eval(), info
-
-
-@torch.no_grad()
-def token_logprobs(model, x, y, chunk_elements=1 << 26):
-    """log p(y_t | x_≤t) per position (float32), 0 where y == −1 (masked).
-
-    The log-softmax is never materialised: per chunk of positions, the target's logit minus
-    the logsumexp, in float32, so the extra memory is one chunk of about chunk_elements
-    logits (256 MB) instead of fp32 copies of all (B, T, V) (~13 GB at V=100k, B=8, T=2048).
-    The model's own (B, T, V) logits stay: model.forward returns them whole."""
-    logits, _ = model(x)
-    B, T, V = logits.shape
-    step = max(1, chunk_elements // (B * V))
-    out = torch.empty(B, T, dtype=torch.float32, device=logits.device)
-    for s in range(0, T, step):
-        chunk = logits[:, s:s + step].float()
-        target = chunk.gather(2, y[:, s:s + step].clamp_min(0)[..., None]).squeeze(2)
-        out[:, s:s + step] = target - torch.logsumexp(chunk, dim=2)
-    return out * (y >= 0)
-
-
-def data_dir_of(args, info):
-    data = args.data or (info.get("config") or {}).get("data_dir")
-    if not data:
-        raise SystemExit("no validation data: pass --data <folder written by prepare_data.py>")
-    if not os.path.isfile(os.path.join(data, "meta.json")):
-        raise FileNotFoundError(f"{data}/meta.json not found: pass --data <folder written by prepare_data.py>"
-                                + ("" if args.data else " (the run's data_dir is gone or was on another machine)"))
-    return data
-
-
-def seq_len_of(args, info, max_seq_len):
-    """--seq-len, else the length the run trained at, else the model's window; never more than
-    max_seq_len, the longest sequence the model accepts."""
-    wanted = args.seq_len or (info.get("config") or {}).get("seq_len") or max_seq_len
-    if wanted > max_seq_len:
-        print(f"seq_len {wanted} > the model's max_seq_len {max_seq_len}: using {max_seq_len}", file=sys.stderr)
-    return min(wanted, max_seq_len)
-
-
-def val_batches(data, args, label, seq_len):
-    """A fixed token budget of validation batches with their source index per token; returns
-    (meta, seq_len used, batches)."""
-    from prepare_data import TokenLoader, load_meta
-    # Record datasets (the anchor task) fix the window to one record.
-    if "record_len" in load_meta(data):
-        seq_len = None
-    loader = TokenLoader(data, args.split, args.batch_size, seq_len, seed=args.seed)
-    wanted = max(1, math.ceil(args.tokens / (args.batch_size * loader.seq_len)))
-    # The loader starts a new epoch (repeating tokens) after n_windows; never count a token twice.
-    n = min(wanted, loader.n_windows // args.batch_size)
-    if n < wanted:
-        print(f"{label}: the {args.split} split holds {n} batches, fewer than the --tokens budget", file=sys.stderr)
-    return loader.meta, loader.seq_len, progress((loader.next_batch(with_sources=True) for _ in range(n)), n, label)
-
-
-# ----------------------------------------------------------------------------- analyses
-
-def run_loss(args):
-    model, info = load_model(args.ckpt, args.device)
-    meta, seq_len, batches = val_batches(data_dir_of(args, info), args, "loss",
-                                         seq_len_of(args, info, model.cfg.max_seq_len))
-    sources = meta["sources"]
-    total, count = torch.zeros(len(sources), dtype=torch.float64), torch.zeros(len(sources), dtype=torch.float64)
-    for x, y, src in batches:
-        logp = token_logprobs(model, x.to(args.device), y.to(args.device)).cpu().double()
-        keep = y >= 0
-        total += torch.bincount(src[keep], weights=-logp[keep], minlength=len(sources))
-        count += torch.bincount(src[keep], minlength=len(sources)).double()
-    rows = [{"source": s, "tokens": int(n), "loss": float(t / n), "ppl": math.exp(t / n)}
-            for s, t, n in zip(sources, total.tolist(), count.tolist()) if n > 0]
-    loss = float(total.sum() / count.sum())
-    params = model.num_params()
-    params["nonembedding"] = params["total"] - params["embedding"]
-    summary = {"loss": loss, "ppl": math.exp(loss), "tokens": int(count.sum()), "split": args.split,
-               "seq_len": seq_len, "step": info.get("step"), **{f"params_{k}": v for k, v in params.items()}}
-    return {"analysis": "loss", "ckpt": args.ckpt, "summary": summary, "rows": rows}
-
-
-def run_tokens(args):
-    model_a, info = load_model(args.ckpt_a, args.device)
-    model_b, _ = load_model(args.ckpt_b, args.device)
-    if model_a.cfg.vocab_size != model_b.cfg.vocab_size:
-        raise SystemExit(f"vocab sizes differ ({model_a.cfg.vocab_size} vs {model_b.cfg.vocab_size}): "
-                         "per-token comparison needs two models on the same tokenizer")
-    max_len = min(model_a.cfg.max_seq_len, model_b.cfg.max_seq_len)
-    _, seq_len, batches = val_batches(data_dir_of(args, info), args, "tokens", seq_len_of(args, info, max_len))
-    logp_a, logp_b = [], []
-    for x, y, _ in batches:
-        x, y = x.to(args.device), y.to(args.device)
-        keep = y >= 0
-        logp_a.append(token_logprobs(model_a, x, y)[keep].cpu())
-        logp_b.append(token_logprobs(model_b, x, y)[keep].cpu())
-    logp_a, logp_b = torch.cat(logp_a).numpy(), torch.cat(logp_b).numpy()
-    rows = difficulty_buckets(logp_a, logp_b, args.buckets)
-    (overall,) = difficulty_buckets(logp_a, logp_b, 1)  # every token in one bucket: the totals
-    summary = {"tokens": overall["count"], "split": args.split, "seq_len": seq_len,
-               **{k: overall[k] for k in ("mean_delta_sym", "win_rate_a", "loss_a", "loss_b")}}
-    result = {"analysis": "tokens", "ckpt_a": args.ckpt_a, "ckpt_b": args.ckpt_b, "summary": summary, "rows": rows}
-    if args.plot:
-        plot_buckets(rows, args.plot, os.path.basename(args.ckpt_a.rstrip("/")), os.path.basename(args.ckpt_b.rstrip("/")))
-        result["plots"] = [args.plot]
-    return result
-
-
-def document_starts(x, eot_id):
-    """Position of the first token of each token's document, by the model's own rule
-    (model.document_ids): the first position holding each non-decreasing document id."""
-    from model import document_ids
-    ids = document_ids(x, eot_id).contiguous()
-    return torch.searchsorted(ids, ids)
-
-
-@torch.no_grad()
-def sink_shares(model, x):
-    """Per layer (H,) attention share on the sequence's first token (queries ≥ 1) and, with
-    document masking, on each query's document start (queries that are not that start)."""
-    from model import capture_attention
-    if model.cfg.doc_mask:
-        q = torch.arange(x.shape[1], device=x.device)
-        doc = document_starts(x, model.cfg.eot_id)
-
-    def shares(p):  # reduced inside the hook: one layer's (B, H, T, T) probabilities at a time
-        # Only (B, H, T) columns are needed: slice them out before widening to float64, never
-        # the whole T x T matrix.
-        row = {"first": p[:, :, 1:, 0].double().mean(dim=(0, 2)).tolist()}
-        if model.cfg.doc_mask:
-            on_doc = p.gather(3, doc[:, None, :, None].expand(-1, p.shape[1], -1, 1)).squeeze(3).double()
-            not_start = (q != doc)[:, None, :].expand_as(on_doc)
-            row["doc_first"] = (on_doc * not_start).sum(dim=(0, 2)).div(not_start.sum(dim=(0, 2))).tolist()
-        return row
-
-    with capture_attention(model, reduce=shares) as layers:
-        model(x)
-    return layers
-
-
-def run_sink(args):
-    model, info = load_model(args.ckpt, args.device, attn_backend="eager")
-    _, seq_len, batches = val_batches(data_dir_of(args, info), args, "sink", seq_len_of(args, info, model.cfg.max_seq_len))
-    totals, n = None, 0
-    for x, _, _ in batches:
-        layers = sink_shares(model, x.to(args.device))
-        arrays = {k: np.array([layer[k] for layer in layers]) for k in layers[0]}
-        totals = arrays if totals is None else {k: totals[k] + arrays[k] for k in totals}
-        n += 1
-    means = {k: v / n for k, v in totals.items()}
-    rows = [{"layer": i, "head": h, **{f"share_{k}": float(v[i, h]) for k, v in means.items()}}
-            for i in range(model.cfg.n_layer) for h in range(model.cfg.n_head)]
-    summary = {f"mean_share_{k}": float(v.mean()) for k, v in means.items()}
-    summary.update({f"max_share_{k}": float(v.max()) for k, v in means.items()})
-    summary.update(attn_gate=model.cfg.attn_gate, split=args.split, seq_len=seq_len)
-    return {"analysis": "sink", "ckpt": args.ckpt, "summary": summary, "rows": rows}
-
-
-def run_weights(args):
-    paths = [p for arg in args.ckpts for p in find_checkpoints(arg)]
-    series, last_state = [], None
-    for path in progress(paths, len(paths), "weights"):
-        model, info = load_model(path)
-        # Parameters only: buffers such as the MoE selection bias are not weights.
-        last_state = dict(model.named_parameters())
-        rows = weight_stats(last_state, args.threshold, args.max_rows)
-        series.append({"ckpt": path, "step": info.get("step"), "rows": rows, "by_kind": mean_by_kind(rows)})
-    last = series[-1]
-    if args.heatmap:  # of the last checkpoint
-        matrices = dict(weight_matrices(last_state))
-        if args.heatmap_matrix not in matrices:
-            raise SystemExit(f"--heatmap-matrix {args.heatmap_matrix!r} is not a weight matrix; "
-                             f"choose one of: {', '.join(list(matrices)[:6])}, ...")
-        plot_cosine_heatmap(matrices[args.heatmap_matrix], args.heatmap, f"{args.heatmap_matrix} row cosine")
-    summary = {"checkpoints": len(series), "step": last["step"],
-               **{f"{m}": float(np.mean([r[m] for r in last["rows"]]))
-                  for m in ("stable_rank", "mean_abs_cos", "frac_cos_gt")}}
-    trajectory = [{"step": s["step"], **{f"{k['kind']}:{m}": k[m] for k in s["by_kind"]
-                                         for m in ("mean_abs_cos", "stable_rank")}} for s in series]
-    result = {"analysis": "weights", "summary": summary, "rows": last["by_kind"], "matrices": last["rows"],
-              "trajectory": trajectory, "threshold": args.threshold}
-    if args.plot:
-        kinds = [k["kind"] for k in last["by_kind"]]
-        by_kind = {kind: [next(k for k in s["by_kind"] if k["kind"] == kind) for s in series] for kind in kinds}
-        plot_trajectory([s["step"] for s in series], by_kind, args.plot)
-        result["plots"] = [args.plot]
-    return result
-
-
-@torch.no_grad()
-def branch_ratios(model, inputs):
-    """Per layer: RMS of the attention / MLP branch update over the RMS of the residual stream
-    entering the block, each RMS averaged over the forwards of all inputs."""
-    from model import trace_residual
-    device = next(model.parameters()).device
-    with trace_residual(model) as trace:
-        for x in inputs:
-            model(x.to(device))
-    return [{"layer": i, "resid_rms": float(np.mean(t["resid_rms"])),
-             "attn_ratio": float(np.mean(t["attn_rms"]) / np.mean(t["resid_rms"])),
-             "mlp_ratio": float(np.mean(t["mlp_rms"]) / np.mean(t["resid_rms"]))} for i, t in enumerate(trace)]
-
-
-INIT_SEQ_LEN = 256  # residual --init without --seq-len
-
-
-def run_residual(args):
-    if not args.init:
-        model, info = load_model(args.ckpt, args.device)
-        _, seq_len, batches = val_batches(data_dir_of(args, info), args, "residual",
-                                          seq_len_of(args, info, model.cfg.max_seq_len))
-        rows = branch_ratios(model, (x for x, _, _ in batches))
-        summary = {k: float(np.mean([r[k] for r in rows])) for k in ("attn_ratio", "mlp_ratio")}
-        summary.update(split=args.split, seq_len=seq_len)
-        return {"analysis": "residual", "ckpt": args.ckpt, "summary": summary, "rows": rows}
-    from model import GPT, config_for, init_model_
-    rows = []
-    for width in progress(args.widths, len(args.widths), "residual@init"):
-        overrides = dict(d_model=width, mlp=args.mlp, attn_gate=args.attn_gate)
-        cfg = config_for(args.size, **overrides)
-        model = GPT(cfg)
-        init_model_(model, gamma=args.gamma, seed=args.seed)
-        # Random tokens at init: no training length to follow, only the model's window.
-        seq_len = min(args.seq_len or INIT_SEQ_LEN, cfg.max_seq_len)
-        x = torch.randint(cfg.vocab_size, (args.batch_size, seq_len), generator=torch.Generator().manual_seed(args.seed))
-        layers = branch_ratios(model.to(args.device).eval(), [x])
-        # Block 0 sees the embedding alone, where the d^(1−γ) law is clean; later blocks see a
-        # residual already grown by earlier branches (by a width-dependent amount when γ < 1).
-        rows.append({"d_model": width, **{f"{k}_block0": layers[0][k] for k in ("attn_ratio", "mlp_ratio")},
-                     **{f"{k}_mean": float(np.mean([r[k] for r in layers])) for k in ("attn_ratio", "mlp_ratio")}})
-    log_d = np.log([r["d_model"] for r in rows])
-    # Theory (README): attention and gelu branches scale as d^(1−γ), SwiGLU as d^(1.5−2γ).
-    summary = {f"{k}_exponent": float(np.polyfit(log_d, np.log([r[k] for r in rows]), 1)[0])
-               for k in rows[0] if k != "d_model"}
-    summary.update(gamma=args.gamma, mlp=args.mlp)
-    return {"analysis": "residual_init", "summary": summary, "rows": rows}
-
-
 def tokenizer_of(info, tokenizer_dir=None):
     """(encode, decode, eot_id) for the tokenizer the checkpoint's data was prepared with."""
-    from prepare_data import get_tokenizer
     enc = get_tokenizer(info["data_meta"]["tokenizer"], tokenizer_dir)
     return enc.encode_ordinary, lambda ids: enc.decode(ids, errors="replace"), info["data_meta"]["eot_id"]
 
@@ -936,7 +1014,6 @@ def anchor_scores(model, data_dir):
     """The anchor-function task: accuracy on seen pairs (train keys: val split; unseen keys: test
     split) and, on the held-out pair, the share of inferential (composite) vs symmetric (the
     mirror pair's rule) answers; scoring rules live with the generator in prepare_data.py."""
-    from prepare_data import anchor_accuracy, anchor_answer_kinds, load_meta, read_records
     meta = load_meta(data_dir)
     if "anchor" not in meta:
         raise SystemExit(f"{data_dir} is not an anchor-task folder; make one with `python prepare_data.py anchor`")
@@ -955,181 +1032,7 @@ def anchor_scores(model, data_dir):
     return summary, rows
 
 
-def params_of(summary, count, name):
-    """N of a loss result: total, active (MoE experts at top_k/E) or nonembedding = total minus
-    the input embedding (Kaplan et al.), which keeps a 50k-100k-row table from dominating small
-    models' N and bending α."""
-    if "params_total" not in summary:
-        raise ValueError(f"{name}: no params_* in its summary; pass loss JSONs from `eval.py loss --json-out`")
-    if count == "nonembedding":
-        return summary["params_total"] - summary["params_embedding"]
-    return summary[f"params_{count}"]
-
-
-def run_scaling(args):
-    def points(specs):
-        out = []
-        for spec in specs:
-            if "=" in spec:  # literal N=loss, e.g. 1.5e9=2.41
-                n, loss = spec.split("=")
-                out.append({"name": spec, "params": float(n), "loss": float(loss)})
-            else:
-                with open(spec) as f:
-                    summary = json.load(f)["summary"]
-                out.append({"name": spec, "params": float(params_of(summary, args.count, spec)), "loss": summary["loss"]})
-        return out
-
-    base, compare = points(args.baseline), points(args.compare)
-    fit = fit_power_law([p["params"] for p in base], [p["loss"] for p in base])
-    rows = [{**p, "role": "baseline", "fit_loss": fit["a"] * p["params"] ** -fit["alpha"] + fit["c"]} for p in base]
-    for p in compare:
-        n_eff, err = effective_size(p["loss"], fit)
-        rows.append({**p, "role": "compare", "effective_params": n_eff, "size_ratio": n_eff / p["params"],
-                     "size_ratio_err": None if err is None else err / p["params"]})
-    # N=loss literals are taken as given; --count says how loss JSONs were read.
-    count = args.count if any("=" not in spec for spec in args.baseline + args.compare) else "as given"
-    summary = {"count": count, **{k: fit[k] for k in ("a", "alpha", "alpha_err", "c", "c_err", "rmse")}}
-    ratios = [r["size_ratio"] for r in rows if r["role"] == "compare"]
-    if ratios:
-        summary["mean_size_ratio"] = float(np.mean(ratios))
-    result = {"analysis": "scaling", "summary": summary, "rows": rows, "fit": fit}
-    if args.plot:
-        plot_scaling(rows, fit, args.plot)
-        result["plots"] = [args.plot]
-    return result
-
-
-def plot_scaling(rows, fit, path):
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    n = np.geomspace(min(r["params"] for r in rows) / 2, max(r["params"] for r in rows) * 2, 100)
-    ax.plot(n, fit["a"] * n ** -fit["alpha"] + fit["c"], color="gray",
-            label=f"fit α={fit['alpha']:.3f}±{fmt(fit['alpha_err'])}, c={fit['c']:.3f}")
-    for role, color in (("baseline", "tab:blue"), ("compare", "tab:red")):
-        sel = [r for r in rows if r["role"] == role]
-        ax.scatter([r["params"] for r in sel], [r["loss"] for r in sel], color=color, label=role)
-    ax.set_xscale("log")
-    ax.set_xlabel("parameters N")
-    ax.set_ylabel("validation loss")
-    ax.legend(fontsize=8)
-    save_figure(fig, path)
-    plt.close(fig)
-
-
-# Two-sided 95% Student-t quantiles t_{0.975, df}; past 30 degrees of freedom the normal 1.96
-# is within 2%. A 3-seed mean has df=2: its interval is 4.3 standard errors wide each side.
-T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-         2.045, 2.042]
-
-
-def mean_interval(values):
-    """(mean, sample std, half-width of the 95% t-interval of the mean); std and interval are
-    None for one value (no spread can be estimated from one seed)."""
-    n, mean = len(values), float(np.mean(values))
-    if n < 2:
-        return mean, None, None
-    std = float(np.std(values, ddof=1))
-    return mean, std, (T_975[n - 2] if n <= 31 else 1.96) * std / math.sqrt(n)
-
-
-def config_value(config, key):
-    """A resolved train.py setting by its sweep name: 'lr', 'model.norm_eps', 'weight_decay.matrix'.
-    A model field the run left at its default is read from GPTConfig (the run's model dict
-    holds only what was set)."""
-    head, _, item = key.partition(".")
-    value = config[head]
-    if not item:
-        return value
-    if item in value:
-        return value[item]
-    if head == "model":
-        from model import config_for
-        return getattr(config_for(config["model_size"], **config["model"]), item)
-    raise KeyError(key)
-
-
-def sweep_metrics(row):
-    """The numbers a sweep row is compared by: eval.py loss (overall and per source), the
-    first-token attention share when `sink` was evaluated, and train.py's best val loss."""
-    loss = row["eval"]["loss"]
-    out = {"loss": loss["summary"]["loss"], **{f"loss_{r['source']}": r["loss"] for r in loss["rows"]}}
-    if "sink" in row["eval"]:
-        out["sink_first"] = row["eval"]["sink"]["summary"]["mean_share_first"]
-    out["best_val_loss"] = row["best_val_loss"]
-    return out
-
-
-def sweep_table(result):
-    """One line per arm x grid setting: every metric as mean ± std over its seeds, and the loss's
-    95% interval. Groups keep the order of the sweep's points."""
-    groups = {}
-    for row in result["rows"]:
-        groups.setdefault((row["arm"], json.dumps(row["setting"], sort_keys=True)), []).append(row)
-    lines = []
-    for (arm, _), rows in groups.items():
-        metrics = [sweep_metrics(r) for r in rows]
-        line = {"arm": arm, **rows[0]["setting"], "seeds": ",".join(str(r["seed"]) for r in rows)}
-        for key in metrics[0]:
-            mean, std, _ = mean_interval([m[key] for m in metrics])
-            line[key] = f"{mean:.4f}" + ("" if std is None else f" ± {std:.4f}")
-        mean, _, half = mean_interval([m["loss"] for m in metrics])
-        line["loss_95ci"] = "-" if half is None else f"[{mean - half:.4f}, {mean + half:.4f}]"
-        line["tokens"] = rows[0]["tokens"]
-        lines.append(line)
-    return lines
-
-
-def plot_sweep(result, x_key, path):
-    """Loss (mean ± std over seeds, and every seed as a dot) against one setting, a line per arm
-    when the arms differ in something else."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    series = {}
-    for row in result["rows"]:
-        label = result["name"] if x_key in row["arm_set"] else row["arm"]
-        series.setdefault(label, {}).setdefault(config_value(row["config"], x_key), []).append(
-            row["eval"]["loss"]["summary"]["loss"])
-    for label, points in series.items():
-        xs = sorted(points)
-        stats = [mean_interval(points[x]) for x in xs]
-        ax.errorbar(xs, [s[0] for s in stats], yerr=[s[1] or 0 for s in stats], marker="o", capsize=3, label=label)
-        for x in xs:
-            ax.scatter([x] * len(points[x]), points[x], s=8, color="gray", zorder=3)
-    if all(isinstance(x, float) and x > 0 for pts in series.values() for x in pts) and x_key in ("lr", "model.norm_eps"):
-        ax.set_xscale("log")
-    ax.set_xlabel(x_key)
-    ax.set_ylabel("validation loss (eval.py loss)")
-    ax.set_title(result["name"])
-    ax.legend(fontsize=8)
-    save_figure(fig, path)
-    plt.close(fig)
-
-
-def run_report(args):
-    groups = {}
-    for path in args.results:
-        with open(path) as f:
-            result = json.load(f)
-        groups.setdefault(result["analysis"], []).append((path, result))
-    lines = []
-    for path, result in groups.pop("sweep", []):
-        lines += [f"### sweep {result['name']} ({os.path.basename(path)}; {result['summary']['finished']} of "
-                  f"{result['summary']['points']} points)", "", format_table(sweep_table(result), markdown=True), ""]
-        if args.plot_x:
-            plot = os.path.splitext(path)[0] + ".png"
-            plot_sweep(result, args.plot_x, plot)
-            lines += [f"![{result['name']}]({os.path.relpath(plot, os.path.dirname(os.path.abspath(args.out)))})", ""]
-    for analysis, items in groups.items():
-        lines += [f"### {analysis}", "", format_table([{"file": os.path.basename(p), **r["summary"]} for p, r in items],
-                                                      markdown=True), ""]
-        lines += [f"![{analysis}]({os.path.relpath(plot, os.path.dirname(os.path.abspath(args.out)))})"
-                  for _, r in items for plot in r.get("plots", [])]
-    text = "\n".join(lines) + "\n"
-    atomic_write_bytes(args.out, [text.encode()])
-    print(text)
-    return None
-
+# ----------------------------------------------------------------------------- sample
 
 def run_sample(args):
     model, info = load_model(args.ckpt, args.device)
@@ -1229,7 +1132,9 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         result = args.func(args)
-    except (ValueError, FileNotFoundError, SystemExit) as e:  # bad input: one line with the fix, no traceback
+    # Library functions raise; here bad input becomes one line with the fix, no traceback.
+    # (SystemExit with a message: anchor_scores of the bench block still raises it.)
+    except (ValueError, FileNotFoundError, ImportError, SystemExit) as e:
         if isinstance(e, SystemExit) and not isinstance(e.code, str):
             raise  # an exit status, not a message
         print(f"error: {e}", file=sys.stderr)

@@ -64,44 +64,7 @@ class GPTConfig:
     activation_checkpointing: bool = False
 
     def __post_init__(self):
-        for f in fields(self):
-            value, want = getattr(self, f.name), {float: (int, float)}.get(f.type, f.type)
-            if not isinstance(value, want) or (f.type is not bool and isinstance(value, bool)):
-                raise ValueError(f"GPTConfig.{f.name}={value!r}: expected {f.type.__name__}")
-        for name, value, allowed in (("mlp", self.mlp, MLP_KINDS), ("attn_gate", self.attn_gate, ATTN_GATES),
-                                     ("attn_backend", self.attn_backend, ATTN_BACKENDS),
-                                     ("router_score", self.router_score, ROUTER_SCORES),
-                                     ("moe_impl", self.moe_impl, MOE_IMPLS)):
-            if value not in allowed:
-                raise ValueError(f"GPTConfig.{name}={value!r}: choose one of {', '.join(allowed)}")
-        for name in ("vocab_size", "n_layer", "n_head", "d_model", "max_seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GPTConfig.{name}={getattr(self, name)}: must be >= 1")
-        if self.n_kv_head == 0:
-            self.n_kv_head = self.n_head
-        if self.d_model % self.n_head:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}: pick n_head "
-                             f"so that head_dim = d_model / n_head is a whole number")
-        if not 0 < self.n_kv_head <= self.n_head or self.n_head % self.n_kv_head:
-            raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}: GQA shares "
-                             f"each key/value head among n_head / n_kv_head query heads")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE: change d_model or n_head")
-        if not self.norm_eps > 0:
-            raise ValueError(f"norm_eps={self.norm_eps}: must be > 0 (use 1e-12 for small init)")
-        if self.d_ff == 0:
-            self.d_ff = 4 * self.d_model if self.mlp == "gelu" else \
-                self.ff_multiple_of * math.ceil(8 * self.d_model / 3 / self.ff_multiple_of)
-        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
-            raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
-        if self.d_expert == 0:
-            self.d_expert = self.d_ff
-        if self.n_experts and self.moe_impl == "grouped" and (self.d_model % 8 or self.d_expert % 8):
-            # Grouped GEMM kernels (CUDA and CPU) need 16-byte-aligned row strides: 8 bf16 values.
-            raise ValueError(f"moe_impl='grouped' needs d_model ({self.d_model}) and d_expert ({self.d_expert}) "
-                             f"divisible by 8; change them or use moe_impl='reference'")
-        if self.doc_mask and not 0 <= self.eot_id < self.vocab_size:
-            raise ValueError(f"doc_mask=True needs eot_id in [0, vocab_size={self.vocab_size}), got {self.eot_id}")
+        resolve_config(self)  # below config_for: fills the 0 defaults, raises ValueError on bad values
 
     # Zero-valued fields (n_kv_head, d_ff, d_expert) are resolved on construction: make a new
     # config with GPTConfig(...)/config_for(...) rather than dataclasses.replace, which would
@@ -141,6 +104,50 @@ def config_for(size, **overrides):
     if unknown:
         raise ValueError(f"unknown GPTConfig field(s) {unknown}")
     return GPTConfig(**{**SIZES[size], **overrides})
+
+
+def resolve_config(cfg):
+    """GPTConfig's checks, run on construction: every field has its declared type and an allowed
+    value (a ValueError naming the fix otherwise), and the zero defaults n_kv_head, d_ff and
+    d_expert are resolved (in this order: d_expert defaults to the resolved d_ff)."""
+    for f in fields(cfg):
+        value, want = getattr(cfg, f.name), {float: (int, float)}.get(f.type, f.type)
+        if not isinstance(value, want) or (f.type is not bool and isinstance(value, bool)):
+            raise ValueError(f"GPTConfig.{f.name}={value!r}: expected {f.type.__name__}")
+    for name, value, allowed in (("mlp", cfg.mlp, MLP_KINDS), ("attn_gate", cfg.attn_gate, ATTN_GATES),
+                                 ("attn_backend", cfg.attn_backend, ATTN_BACKENDS),
+                                 ("router_score", cfg.router_score, ROUTER_SCORES),
+                                 ("moe_impl", cfg.moe_impl, MOE_IMPLS)):
+        if value not in allowed:
+            raise ValueError(f"GPTConfig.{name}={value!r}: choose one of {', '.join(allowed)}")
+    for name in ("vocab_size", "n_layer", "n_head", "d_model", "max_seq_len"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"GPTConfig.{name}={getattr(cfg, name)}: must be >= 1")
+    if cfg.n_kv_head == 0:
+        cfg.n_kv_head = cfg.n_head
+    if cfg.d_model % cfg.n_head:
+        raise ValueError(f"d_model={cfg.d_model} is not divisible by n_head={cfg.n_head}: pick n_head "
+                         f"so that head_dim = d_model / n_head is a whole number")
+    if not 0 < cfg.n_kv_head <= cfg.n_head or cfg.n_head % cfg.n_kv_head:
+        raise ValueError(f"n_head={cfg.n_head} is not divisible by n_kv_head={cfg.n_kv_head}: GQA shares "
+                         f"each key/value head among n_head / n_kv_head query heads")
+    if cfg.head_dim % 2:
+        raise ValueError(f"head_dim={cfg.head_dim} must be even for RoPE: change d_model or n_head")
+    if not cfg.norm_eps > 0:
+        raise ValueError(f"norm_eps={cfg.norm_eps}: must be > 0 (use 1e-12 for small init)")
+    if cfg.d_ff == 0:
+        cfg.d_ff = 4 * cfg.d_model if cfg.mlp == "gelu" else \
+            cfg.ff_multiple_of * math.ceil(8 * cfg.d_model / 3 / cfg.ff_multiple_of)
+    if cfg.n_experts and not 1 <= cfg.top_k <= cfg.n_experts:
+        raise ValueError(f"top_k={cfg.top_k} must be between 1 and n_experts={cfg.n_experts}")
+    if cfg.d_expert == 0:
+        cfg.d_expert = cfg.d_ff
+    if cfg.n_experts and cfg.moe_impl == "grouped" and (cfg.d_model % 8 or cfg.d_expert % 8):
+        # Grouped GEMM kernels (CUDA and CPU) need 16-byte-aligned row strides: 8 bf16 values.
+        raise ValueError(f"moe_impl='grouped' needs d_model ({cfg.d_model}) and d_expert ({cfg.d_expert}) "
+                         f"divisible by 8; change them or use moe_impl='reference'")
+    if cfg.doc_mask and not 0 <= cfg.eot_id < cfg.vocab_size:
+        raise ValueError(f"doc_mask=True needs eot_id in [0, vocab_size={cfg.vocab_size}), got {cfg.eot_id}")
 
 
 class RMSNorm(nn.Module):
@@ -208,17 +215,15 @@ def compiled(fn):
 
 def build_attention_mask(idx, cfg, backend, kv_cache=None):
     """A BlockMask (flex), a dense bool mask (B|1, 1, T, T_kv) (sdpa/eager), or None for sdpa's
-    own causal kernel. With a KVCache the queries continue the cached sequence (dense only)."""
+    own causal kernel. With a KVCache the queries continue the cached sequence (dense only);
+    with document masking the cache must already hold idx's document ids (KVCache.add_documents)."""
     B, T = idx.shape
     start = 0 if kv_cache is None else kv_cache.length
     if cfg.doc_mask:
-        q_doc = document_ids(idx, cfg.eot_id)
-        kv_doc = q_doc
-        if kv_cache is not None:
-            q_doc = q_doc + kv_cache.docs_before[:, None]
-            kv_cache.doc[:, start:start + T] = q_doc
-            kv_cache.docs_before = q_doc[:, -1] + (idx[:, -1] == cfg.eot_id)
-            kv_doc = kv_cache.doc[:, :start + T]
+        if kv_cache is None:
+            q_doc = kv_doc = document_ids(idx, cfg.eot_id)
+        else:
+            q_doc, kv_doc = kv_cache.doc[:, start:start + T], kv_cache.doc[:, :start + T]
         mask_mod, batch = attention_mask_mod(start, q_doc, kv_doc), B
     else:
         mask_mod, batch = attention_mask_mod(start), None
@@ -238,13 +243,13 @@ class Attention(nn.Module):
         # The model's config, shared by every layer: set_attn_backend changes them all at once.
         self.cfg = cfg
         self.n_head, self.n_kv_head, self.head_dim, self.rope_theta = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.rope_theta
-        self.gate = cfg.attn_gate
         d, hd = cfg.d_model, cfg.head_dim
         self.wq = nn.Linear(d, cfg.n_head * hd, bias=False)
         self.wk = nn.Linear(d, cfg.n_kv_head * hd, bias=False)
         self.wv = nn.Linear(d, cfg.n_kv_head * hd, bias=False)
-        if self.gate != "none":
-            self.wg = nn.Linear(d, cfg.n_head * (hd if self.gate == "elementwise" else 1), bias=False)
+        # The output gate: one sigmoid per head and channel (elementwise) or per head (headwise).
+        gate_width = {"elementwise": hd, "headwise": 1, "none": 0}[cfg.attn_gate]
+        self.wg = nn.Linear(d, cfg.n_head * gate_width, bias=False) if gate_width else None
         self.wo = nn.Linear(cfg.n_head * hd, d, bias=False)
         # Identity tap: a forward hook on it sees the eager backend's attention probabilities.
         self.probs_tap = nn.Identity()
@@ -271,7 +276,9 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         else:
             y = self.eager_attention(q, k, v, mask)
-        if self.gate != "none":
+        if self.wg is not None:
+            # (B, T, n_head, head_dim) elementwise or (B, T, n_head, 1) headwise: the -1 takes
+            # either, and a headwise gate broadcasts over the head's channels.
             g = torch.sigmoid(self.wg(x).float()).view(B, T, self.n_head, -1).transpose(1, 2)
             y = (y.float() * g).type_as(y)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
@@ -286,26 +293,17 @@ class Attention(nn.Module):
         return probs.type_as(v) @ v
 
 
-def feed_forward(x, kind, project):
-    """SwiGLU or GELU MLP; project(t, name) applies the weight called name to t."""
-    if kind == "swiglu":
-        h = F.silu(project(x, "w_gate")) * project(x, "w_up")
-    else:
-        h = F.gelu(project(x, "w_up"))
-    return project(h, "w_down")
-
-
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.kind = cfg.mlp
-        if self.kind == "swiglu":
-            self.w_gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.w_gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=False) if cfg.mlp == "swiglu" else None
         self.w_up = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
         self.w_down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x):
-        return feed_forward(x, self.kind, lambda t, name: getattr(self, name)(t))
+        if self.w_gate is not None:  # SwiGLU
+            return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return self.w_down(F.gelu(self.w_up(x)))
 
 
 # Rows of each expert's token group are padded to a multiple of this. Grouped GEMM kernels load
@@ -322,12 +320,11 @@ class MoE(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.kind, self.impl, self.score = cfg.mlp, cfg.moe_impl, cfg.router_score
+        self.impl, self.score = cfg.moe_impl, cfg.router_score
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
         E, d, f = cfg.n_experts, cfg.d_model, cfg.d_expert
         self.router = nn.Linear(d, E, bias=False)
-        if self.kind == "swiglu":
-            self.w_gate = nn.Parameter(torch.empty(E, d, f))
+        self.w_gate = nn.Parameter(torch.empty(E, d, f)) if cfg.mlp == "swiglu" else None
         self.w_up = nn.Parameter(torch.empty(E, d, f))
         self.w_down = nn.Parameter(torch.empty(E, f, d))
         # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores only to
@@ -379,7 +376,7 @@ class MoE(nn.Module):
         xs = xf.new_zeros(N * k + self.n_experts * (GROUP_ALIGN - 1), xf.shape[1])
         xs[row] = xf[token_of_slot]
         offsets = padded_end.to(torch.int32)
-        ys = feed_forward(xs, self.kind, lambda t, name: torch._grouped_mm(t, getattr(self, name), offs=offsets))
+        ys = self.expert_mlp(xs, lambda t, w: torch._grouped_mm(t, w, offs=offsets))
         # Back to (token, slot) order and a weighted sum over the k slots in fp32: deterministic,
         # unlike index_add_ (atomics on CUDA), and the routing weights are never rounded to bf16.
         y_slot = torch.empty_like(ys[:N * k])
@@ -390,9 +387,16 @@ class MoE(nn.Module):
         out = torch.zeros(xf.shape, dtype=torch.float32, device=xf.device)
         for e in range(self.n_experts):
             token, slot = torch.where(expert_idx == e)
-            y = feed_forward(xf[token], self.kind, lambda t, name: t @ getattr(self, name)[e])
+            y = self.expert_mlp(xf[token], lambda t, w: t @ w[e])
             out.index_add_(0, token, y.float() * weights[token, slot, None])
         return out
+
+    def expert_mlp(self, x, matmul):
+        """MLP.forward on the stacked expert weights: matmul(t, w) multiplies t by the right
+        expert's slice of w (grouped: every group at once; reference: expert e)."""
+        if self.w_gate is not None:  # SwiGLU
+            return matmul(F.silu(matmul(x, self.w_gate)) * matmul(x, self.w_up), self.w_down)
+        return matmul(F.gelu(matmul(x, self.w_up)), self.w_down)
 
     @torch.no_grad()
     def update_bias(self, counts, rate):
@@ -412,13 +416,12 @@ class Block(nn.Module):
         self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
 
     def forward(self, x, mask, kv=None):
-        """Returns (x, moe_stats); moe_stats is (aux_loss, counts), or None for a dense block."""
+        """Always (x, moe_stats): moe_stats is the MoE layer's (aux_loss, counts), None for a dense MLP."""
         x = x + self.attn(self.attn_norm(x), mask, kv)
-        out = self.mlp(self.mlp_norm(x))
-        if isinstance(out, tuple):
-            out, aux, counts = out
+        if isinstance(self.mlp, MoE):
+            out, aux, counts = self.mlp(self.mlp_norm(x))
             return x + out, (aux, counts)
-        return x + out, None
+        return x + self.mlp(self.mlp_norm(x)), None
 
 
 class GPT(nn.Module):
@@ -441,6 +444,8 @@ class GPT(nn.Module):
         if start + T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {start + T} > max_seq_len={self.cfg.max_seq_len}: use shorter "
                              f"sequences or a model config with a larger max_seq_len")
+        if kv_cache is not None and self.cfg.doc_mask:
+            kv_cache.add_documents(idx, self.cfg.eot_id)  # before the mask, which reads them
         mask = build_attention_mask(idx, self.cfg, self.cfg.attn_backend, kv_cache)
         x = self.tok_emb(idx)
         aux_total = None
@@ -568,6 +573,14 @@ class KVCache:
         self.doc = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         self.docs_before = torch.zeros(batch, dtype=torch.long, device=device)
 
+    def add_documents(self, idx, eot_id):
+        """Record the document ids of the positions idx (B, T) is about to fill. Ids continue
+        each row's count, so a document cut by a decoding step keeps its id across the cut."""
+        T = idx.shape[1]
+        doc = document_ids(idx, eot_id) + self.docs_before[:, None]
+        self.doc[:, self.length:self.length + T] = doc
+        self.docs_before = doc[:, -1] + (idx[:, -1] == eot_id)
+
 
 def sample_next(logits, temperature=0.0, top_k=None, generator=None):
     """Next token per row of (B, V) logits: argmax at temperature 0, else a softmax sample."""
@@ -589,7 +602,8 @@ def init_model_(model, gamma=1.0, seed=0, overrides=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# Analysis hooks: no model code changes, just forward hooks. Use on an uncompiled model.
+# Analysis: forward hooks (no model code changes; use on an uncompiled model), then the
+# weight-structure metrics that train.py logs and eval.py's `weights` analysis reports.
 
 def _rms(t):
     return t.detach().float().pow(2).mean().sqrt().item()
@@ -606,7 +620,8 @@ def trace_residual(model):
             block.attn_norm.register_forward_hook(lambda m, args, out, rec=rec: rec["resid_rms"].append(_rms(args[0]))),
             block.attn.register_forward_hook(lambda m, args, out, rec=rec: rec["attn_rms"].append(_rms(out))),
             block.mlp.register_forward_hook(
-                lambda m, args, out, rec=rec: rec["mlp_rms"].append(_rms(out[0] if isinstance(out, tuple) else out))),
+                # MoE returns (output, aux, counts): the branch update is the output.
+                lambda m, args, out, rec=rec: rec["mlp_rms"].append(_rms(out[0] if isinstance(m, MoE) else out))),
         ]
     try:
         yield records
@@ -635,3 +650,35 @@ def capture_attention(model, reduce=None):
     finally:
         for h in handles:
             h.remove()
+
+
+# Weight structure: the condensation signal (rows aligning to a few directions, low stable rank).
+
+def stable_rank(w):
+    """‖W‖_F² / ‖W‖_2², via the Gram matrix of the smaller side (cheap for a 100k-row lm_head)."""
+    w = w.detach().double()
+    gram = w @ w.T if w.shape[0] <= w.shape[1] else w.T @ w
+    top = torch.linalg.eigvalsh(gram)[-1]
+    return (torch.trace(gram) / top).item()
+
+
+def row_cosines(w, max_rows=2048, seed=0):
+    """Cosine similarity between the rows of w (each row: one output neuron's input weights).
+
+    A V×V matrix for a 50k-token embedding would not fit, so large matrices use a fixed random
+    subset of rows: the off-diagonal averages are unbiased estimates of the full ones."""
+    w = w.detach().double()
+    if w.shape[0] > max_rows:
+        rows = torch.randperm(w.shape[0], generator=torch.Generator().manual_seed(seed))[:max_rows]
+        w = w[rows]
+    unit = w / w.norm(dim=1, keepdim=True).clamp_min(1e-300)
+    return unit @ unit.T
+
+
+def cosine_stats(cos, threshold=0.7):
+    """Mean |cos| off the diagonal and the fraction of row pairs with |cos| > threshold.
+
+    |cos| because condensation aligns rows to a few directions up to sign: w and −w span the
+    same feature, and a sign flip is absorbed by the next layer."""
+    off = cos[~torch.eye(cos.shape[0], dtype=torch.bool)].abs()
+    return {"mean_abs_cos": off.mean().item(), "frac_cos_gt": (off > threshold).double().mean().item()}

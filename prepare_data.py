@@ -31,6 +31,7 @@ import glob
 import hashlib
 import io
 import json
+import math
 import multiprocessing
 import os
 import shlex
@@ -40,6 +41,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from itertools import chain
 
@@ -175,14 +177,47 @@ def token_dtype(vocab_size):
 # Shards: write (atomically) and read (validated, memory-mapped)
 
 
-def atomic_write_bytes(path, chunks):
+@contextmanager
+def atomic_open(path):
+    """A binary file for path that appears there whole or not at all: written under path.tmp,
+    fsynced (so a crash right after the rename can't leave an empty file), then renamed over
+    path. The one way this repo writes a file that a reader or a resumed run relies on."""
+    path = os.fspath(path)
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
-        for chunk in chunks:
-            f.write(chunk)
+        yield f
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def atomic_write_bytes(path, chunks):
+    with atomic_open(path) as f:
+        for chunk in chunks:
+            f.write(chunk)
+
+
+def json_safe(obj):
+    """obj with every non-finite float as None: standard JSON has no NaN/Infinity, and an
+    undefined quantity (an error bar without residual degrees of freedom) is null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def write_json(path, obj):
+    # Atomic: a reader (a resumed run, `eval.py report` over a results folder) never sees half a file.
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic_write_bytes(path, [json.dumps(json_safe(obj), indent=1, allow_nan=False).encode()])
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
 
 
 def npy_bytes(array):

@@ -23,8 +23,9 @@ import sys
 import threading
 import time
 
-from eval import pyplot, save_figure, write_json
-from prepare_data import AnchorTask, usable_cores
+from eval import pyplot, save_figure
+from prepare_data import AnchorTask, usable_cores, write_json
+from train import load_config
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -57,7 +58,6 @@ PROGRESS = re.compile(r"^step \d+")  # train.py's per-step and validation lines
 
 def config_overrides(config, wanted):
     """--key=value arguments for each wanted setting the config file resolves differently."""
-    from train import load_config  # beside this script, so on sys.path when it runs
     cfg = load_config([os.path.join(ROOT, config)])
     args, notes = [], []
     for key, value in wanted.items():
@@ -139,7 +139,7 @@ def plot(results, curves, path):
     """Training curves and held-out answer shares; False when matplotlib is missing."""
     try:
         plt = pyplot()
-    except SystemExit:  # matplotlib is optional: the quickstart says so and goes on
+    except ImportError:  # matplotlib is optional: the quickstart says so and goes on
         return False
     fig, (ax_loss, ax_share) = plt.subplots(1, 2, figsize=(11, 4))
     for r in results:
@@ -227,4 +227,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:  # train.py's config check (config_overrides): one line, no traceback
+        raise SystemExit(f"quickstart: {e}") from None

@@ -27,7 +27,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
-from eval import write_json
+from prepare_data import write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

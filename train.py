@@ -29,6 +29,7 @@ import resource
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import asdict
 
 import torch
@@ -38,10 +39,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from eval import complete_checkpoints, cosine_stats, load_model, row_cosines, stable_rank, write_json
 from init import format_report
-from model import GPT, GPTConfig, config_for, init_model_
-from prepare_data import TokenLoader, check_model_vocab
+from model import ATTN_BACKENDS, GPT, GPTConfig, config_for, cosine_stats, init_model_, row_cosines, stable_rank
+from prepare_data import TokenLoader, atomic_open, atomic_write_bytes, check_model_vocab, read_json, write_json
 
 # ----------------------------------------------------------------------------- defaults
 # run folder and data
@@ -97,7 +97,7 @@ def _check_type(key, value, default):
     if want is float and type(value) is int:
         return float(value)
     if type(value) is not want:
-        raise SystemExit(f"config: {key}={value!r} is a {type(value).__name__}, expected a "
+        raise ValueError(f"config: {key}={value!r} is a {type(value).__name__}, expected a "
                          f"{want.__name__} like the default {default!r}")
     return value
 
@@ -105,7 +105,7 @@ def _check_type(key, value, default):
 def _unknown(key, valid, where):
     close = difflib.get_close_matches(key, list(valid), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    return SystemExit(f"config: unknown key {key!r} in {where}{hint}")
+    return ValueError(f"config: unknown key {key!r} in {where}{hint}")
 
 
 def _set(cfg, key, value, where, merge_dicts=False):
@@ -117,7 +117,7 @@ def _set(cfg, key, value, where, merge_dicts=False):
         # `--weight_decay.matrix=0.3` sets one entry and keeps the others (replacing the
         # whole dict from the command line would silently drop them).
         if type(default) is not dict:
-            raise SystemExit(f"config: {head} is not a dict setting: write --{head}=...")
+            raise ValueError(f"config: {head} is not a dict setting: write --{head}=...")
         value = {item: value}
     if type(default) is dict and default:  # fixed entries (weight_decay): each checked
         value = dict(_check_type(head, value, default))
@@ -151,7 +151,7 @@ def load_config(argv):
             _set(cfg, key, value, "the command line", merge_dicts=True)
         else:
             if not os.path.isfile(arg):
-                raise SystemExit(f"config: no such config file {arg!r} (arguments are config "
+                raise FileNotFoundError(f"config: no such config file {arg!r} (arguments are config "
                                  f"files and --key=value)")
             ns = copy.deepcopy(cfg)
             ns["include"] = lambda name, _dir=os.path.dirname(arg): _run_file(os.path.join(_dir, name), ns)
@@ -174,32 +174,32 @@ def _run_file(path, ns):
 
 def validate(cfg):
     if cfg["schedule"] not in SCHEDULES:
-        raise SystemExit(f"config: schedule={cfg['schedule']!r}: choose one of {SCHEDULES}")
-    if cfg["attn_backend"] not in ("auto", "flex", "sdpa", "eager"):
-        raise SystemExit(f"config: attn_backend={cfg['attn_backend']!r}: choose auto, flex, sdpa or eager")
+        raise ValueError(f"config: schedule={cfg['schedule']!r}: choose one of {SCHEDULES}")
+    if cfg["attn_backend"] not in ("auto", *ATTN_BACKENDS):
+        raise ValueError(f"config: attn_backend={cfg['attn_backend']!r}: choose one of auto, {', '.join(ATTN_BACKENDS)}")
     for key in ("seq_len", "global_batch", "batch_size", "max_steps", "log_interval",
                 "eval_interval", "eval_batches", "ckpt_interval", "keep_last"):
         if cfg[key] < 1:
-            raise SystemExit(f"config: {key}={cfg[key]} must be >= 1")
+            raise ValueError(f"config: {key}={cfg[key]} must be >= 1")
     for key in ("warmup_steps", "keep_every", "dry_run", "peak_flops", "grad_clip", "adam_eps"):
         if cfg[key] < 0:
-            raise SystemExit(f"config: {key}={cfg[key]} must be >= 0")
+            raise ValueError(f"config: {key}={cfg[key]} must be >= 0")
     if not all(type(s) is int and 0 <= s <= cfg["max_steps"] for s in cfg["keep_steps"]):
-        raise SystemExit(f"config: keep_steps={cfg['keep_steps']} must be whole steps between 0 and max_steps")
+        raise ValueError(f"config: keep_steps={cfg['keep_steps']} must be whole steps between 0 and max_steps")
     if not cfg["warmup_steps"] < cfg["max_steps"]:
-        raise SystemExit(f"config: warmup_steps={cfg['warmup_steps']} must be < max_steps={cfg['max_steps']}")
+        raise ValueError(f"config: warmup_steps={cfg['warmup_steps']} must be < max_steps={cfg['max_steps']}")
     if not cfg["lr"] > 0:
-        raise SystemExit(f"config: lr={cfg['lr']} must be > 0")
+        raise ValueError(f"config: lr={cfg['lr']} must be > 0")
     for key in ("min_lr_ratio", "decay_frac"):
         if not 0 <= cfg[key] <= 1:
-            raise SystemExit(f"config: {key}={cfg[key]} must be between 0 and 1")
+            raise ValueError(f"config: {key}={cfg[key]} must be between 0 and 1")
     if len(cfg["betas"]) != 2 or not all(0 <= b < 1 for b in cfg["betas"]):
-        raise SystemExit(f"config: betas={cfg['betas']} must be two numbers in [0, 1), e.g. (0.9, 0.95)")
+        raise ValueError(f"config: betas={cfg['betas']} must be two numbers in [0, 1), e.g. (0.9, 0.95)")
     if any(v < 0 for v in cfg["weight_decay"].values()):
-        raise SystemExit(f"config: weight_decay={cfg['weight_decay']} must be >= 0 in every group")
+        raise ValueError(f"config: weight_decay={cfg['weight_decay']} must be >= 0 in every group")
     mcfg = model_config(cfg, "cpu")  # unknown size / GPTConfig field / bad value fails here, no GPU needed
     if cfg["seq_len"] > mcfg.max_seq_len:
-        raise SystemExit(f"config: seq_len={cfg['seq_len']} > the model's max_seq_len={mcfg.max_seq_len}: "
+        raise ValueError(f"config: seq_len={cfg['seq_len']} > the model's max_seq_len={mcfg.max_seq_len}: "
                          f"lower seq_len or set --model.max_seq_len={cfg['seq_len']}")
 
 
@@ -210,13 +210,13 @@ def model_config(cfg, device_type):
     try:
         return config_for(cfg["model_size"], **{"attn_backend": backend, **cfg["model"]})
     except (ValueError, TypeError) as e:
-        raise SystemExit(f"config: model_size={cfg['model_size']!r}, model={cfg['model']}: {e}")
+        raise ValueError(f"config: model_size={cfg['model_size']!r}, model={cfg['model']}: {e}") from None
 
 
 def grad_accum(cfg, world):
     per_step = cfg["batch_size"] * world
     if cfg["global_batch"] % per_step:
-        raise SystemExit(f"config: global_batch={cfg['global_batch']} is not a multiple of "
+        raise ValueError(f"config: global_batch={cfg['global_batch']} is not a multiple of "
                          f"batch_size*world_size={cfg['batch_size']}*{world}; change batch_size")
     return cfg["global_batch"] // per_step
 
@@ -291,8 +291,23 @@ def make_optimizer(net, cfg, device):
 
 
 # ----------------------------------------------------------------------------- checkpoints
+# The checkpoint format, its writer and its one reader (eval.py and export load through
+# load_model). A checkpoint is a folder out_dir/ckpt_{step:08d} holding DCP's shards and
+# .metadata index (model + optimizer), one rng_rank{r}.pt per rank, and meta.json (config,
+# model_config, data_meta, step, world_size, the loader's data_state). It is written as tmp_...
+# and renamed only when every part is on disk.
+
 # Settings that may change between a checkpoint and its resumption: how the same model is run.
 RUNTIME_MODEL_FIELDS = {"attn_backend", "activation_checkpointing", "moe_impl"}
+
+
+def complete_checkpoints(run_dir):
+    """A run's complete checkpoints, oldest first (train.py resumes from the last). Only renamed
+    folders holding DCP's index and train.py's meta.json count: a run killed while saving
+    leaves a tmp_ folder, never a ckpt_ folder, and a filesystem whose rename is a copy (FUSE
+    object stores) can't pass off a partial one."""
+    found = glob.glob(os.path.join(run_dir, "ckpt_*", "meta.json"))
+    return sorted(os.path.dirname(p) for p in found if os.path.exists(os.path.join(os.path.dirname(p), ".metadata")))
 
 
 def check_resumable(path, mcfg):
@@ -300,7 +315,7 @@ def check_resumable(path, mcfg):
     changed = [f"{k} {saved.get(k)!r} there, {v!r} now" for k, v in asdict(mcfg).items()
                if k not in RUNTIME_MODEL_FIELDS and saved.get(k) != v]
     if changed:
-        raise SystemExit(f"{path} holds a different model ({'; '.join(changed)}): resume with its settings "
+        raise ValueError(f"{path} holds a different model ({'; '.join(changed)}): resume with its settings "
                          f"or choose another out_dir")
 
 
@@ -312,10 +327,8 @@ def save_checkpoint(cfg, step, net, opt, loader, meta):
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     # RNG streams differ per rank, so they can't be DCP entries (which are deduplicated).
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-    with open(os.path.join(tmp, f"rng_rank{rank}.pt"), "wb") as f:
+    with atomic_open(os.path.join(tmp, f"rng_rank{rank}.pt")) as f:
         torch.save(rng, f)
-        f.flush()
-        os.fsync(f.fileno())
     dist.barrier()  # every rank's shards are on disk before the folder becomes visible
     if rank == 0:
         write_json(os.path.join(tmp, "meta.json"), {
@@ -341,7 +354,7 @@ def load_checkpoint(path, net, opt, loader, cfg_weight_decay):
     try:
         loader.load_state_dict(meta["data_state"])
     except ValueError as e:
-        raise SystemExit(f"resume from {path}: {e}")
+        raise ValueError(f"resume from {path}: {e}") from None
     rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
     if meta["world_size"] == dist.get_world_size():
         rng = torch.load(rng_file, weights_only=False)
@@ -351,22 +364,63 @@ def load_checkpoint(path, net, opt, loader, cfg_weight_decay):
     return meta
 
 
+def find_checkpoints(path):
+    """Checkpoint paths in a run folder (complete ckpt_* folders, step order), or [path]."""
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "meta.json")):
+        found = complete_checkpoints(path)
+        if not found:
+            raise ValueError(f"{path}: no ckpt_*/meta.json inside; pass a .pt export, a checkpoint "
+                             "folder or a run folder written by train.py")
+        return found
+    if not (os.path.isfile(path) or os.path.isdir(path)):
+        raise FileNotFoundError(f"{path}: no such checkpoint file or folder")
+    return [path]
+
+
+def load_model(path, device="cpu", attn_backend=None):
+    """The one model-loading path (export and every analysis): (GPT in eval mode, info) where info holds
+    the checkpoint's model_config, config, step and data_meta."""
+    path = find_checkpoints(path)[-1]
+    if os.path.isfile(path):
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        if "model" not in blob or "model_config" not in blob:
+            raise ValueError(f"{path}: not a smallinit export (needs 'model' and 'model_config'); "
+                             "make one with `python train.py export <ckpt_dir> <file.pt>`")
+        info = {k: v for k, v in blob.items() if k != "model"}
+    else:
+        info = read_json(os.path.join(path, "meta.json"))
+    # Built on the meta device: the random init of GPT(cfg) would be overwritten anyway, and at
+    # 1.5B it costs a minute and a full extra copy of the weights in host memory.
+    with torch.device("meta"):
+        net = GPT(GPTConfig(**info["model_config"]))
+    net.to_empty(device=device)  # GPT.to_empty keeps tied embeddings tied
+    net.reset_buffers()  # non-persistent buffers are not in the checkpoint
+    if os.path.isfile(path):
+        net.load_state_dict(blob["model"])
+    else:
+        # DCP fills the given tensors in place and reads only the keys asked for ("model.*",
+        # not the optimizer); in a single process it needs no process group, and says so in a
+        # warning that would only confuse here.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load({"model": net.state_dict()}, checkpoint_id=path)
+    if attn_backend or (net.cfg.attn_backend == "flex" and not str(device).startswith("cuda")):
+        # Flex kernels are CUDA-only here; sdpa shares its mask definition (model.py).
+        net.set_attn_backend(attn_backend or "sdpa")
+    info["path"] = path
+    return net.eval(), info
+
+
 def export(ckpt_dir, out_file):
     """DCP folder -> one torch.save file with the full fp32 model; no process group needed."""
     if not os.path.isfile(os.path.join(ckpt_dir, "meta.json")):
-        raise SystemExit(f"export: {ckpt_dir} is not a complete checkpoint folder (no meta.json); "
+        raise ValueError(f"export: {ckpt_dir} is not a complete checkpoint folder (no meta.json); "
                          f"pass an out_dir/ckpt_XXXXXXXX folder")
-    net, info = load_model(ckpt_dir)  # eval.py's one loading path: one process reads every shard
+    net, info = load_model(ckpt_dir)  # the one loading path: one process reads every shard
     payload = {"model": net.state_dict(), **{k: info[k] for k in ("model_config", "config", "step", "data_meta")}}
-    tmp = out_file + ".tmp"
-    torch.save(payload, tmp)
-    os.replace(tmp, out_file)
+    with atomic_open(out_file) as f:
+        torch.save(payload, f)
     print(f"exported {ckpt_dir} (step {info['step']}) -> {out_file}")
-
-
-def read_json(path):
-    with open(path) as f:
-        return json.load(f)
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -422,7 +476,7 @@ def matmul_peak(cfg, device):
 
 @torch.no_grad()
 def weight_structure(net, names):
-    """Stable rank ||W||_F^2 / ||W||_2^2 and row-cosine statistics (eval.py's definitions) of a
+    """Stable rank ||W||_F^2 / ||W||_2^2 and row-cosine statistics (model.py's definitions) of a
     few matrices: the condensation signal (γ=1 should show high cosine / low rank early that
     later relaxes)."""
     params = dict(net.named_parameters())
@@ -463,7 +517,7 @@ def open_loader(cfg, split, rank, world):
         return TokenLoader(cfg["data_dir"], split, cfg["global_batch"] // world, cfg["seq_len"],
                            rank=rank, world_size=world, seed=cfg["seed"])
     except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"data: {e}")
+        raise type(e)(f"data: {e}") from None
 
 
 # ----------------------------------------------------------------------------- main
@@ -505,9 +559,9 @@ def train(cfg):
     try:
         check_model_vocab(data_meta, mcfg.vocab_size)
     except ValueError as e:
-        raise SystemExit(f"data: {e}")
+        raise ValueError(f"data: {e}") from None
     if mcfg.doc_mask and mcfg.eot_id != data_meta["eot_id"]:
-        raise SystemExit(f"config: model.eot_id={mcfg.eot_id} but {cfg['data_dir']} ends documents with "
+        raise ValueError(f"config: model.eot_id={mcfg.eot_id} but {cfg['data_dir']} ends documents with "
                          f"{data_meta['eot_id']}: set --model.eot_id={data_meta['eot_id']}")
     out = cfg["out_dir"]
     # Rank 0 lists the checkpoints and tells the others: on a shared filesystem another node's
@@ -516,7 +570,7 @@ def train(cfg):
     dist.broadcast_object_list(listing, src=0)
     done = listing[0]
     if done and not cfg["resume"]:
-        raise SystemExit(f"{out} already holds checkpoints ({os.path.basename(done[-1])}); "
+        raise ValueError(f"{out} already holds checkpoints ({os.path.basename(done[-1])}); "
                          f"pass --resume=True or choose another out_dir")
     net, init_report = build_model(cfg, mcfg, device)
     opt = make_optimizer(net, cfg, device)
@@ -609,7 +663,7 @@ def train(cfg):
             torch.nn.utils.clip_grads_with_norm_(grads, cfg["grad_clip"], norm)
         loss_val, norm_val = torch.stack([loss_sum, norm.to(loss_sum)]).tolist()  # one sync per step
         if not (math.isfinite(loss_val) and math.isfinite(norm_val)):
-            raise SystemExit(f"non-finite loss {loss_val} / grad norm {norm_val} at step {step + 1}; the "
+            raise FloatingPointError(f"non-finite loss {loss_val} / grad norm {norm_val} at step {step + 1}; the "
                              f"update was not applied. Last good checkpoint: {last_ckpt or 'none'} (intact). "
                              f"Resume from it with a lower lr, longer warmup or tighter grad_clip.")
         opt.step()
@@ -659,23 +713,28 @@ def truncate_metrics(path, step):
                     rows.append(line)
             except (json.JSONDecodeError, KeyError):
                 pass  # the half-written last row of a killed run
-    with open(path + ".tmp", "w") as f:
-        f.writelines(rows)
-    os.replace(path + ".tmp", path)
+    atomic_write_bytes(path, [row.encode() for row in rows])
+
+
+def main(argv):
+    if argv[:1] == ["export"]:
+        if len(argv) != 3:
+            raise SystemExit("usage: python train.py export <ckpt_dir> <file.pt>")
+        export(argv[1], argv[2])
+        return
+    config = load_config(argv)
+    if config["dry_run"]:
+        print_plan(config, config["dry_run"])
+        return
+    try:
+        train(config)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["export"]:
-        if len(sys.argv) != 4:
-            raise SystemExit("usage: python train.py export <ckpt_dir> <file.pt>")
-        export(sys.argv[2], sys.argv[3])
-    else:
-        config = load_config(sys.argv[1:])
-        if config["dry_run"]:
-            print_plan(config, config["dry_run"])
-        else:
-            try:
-                train(config)
-            finally:
-                if dist.is_initialized():
-                    dist.destroy_process_group()
+    try:
+        main(sys.argv[1:])
+    except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input or a diverged run: one line, no traceback
+        raise SystemExit(str(e)) from None

@@ -10,3 +10,46 @@ sys.path.insert(0, ROOT)
 # Two cores: keep each test process on one intra-op thread so parallel helpers
 # (torchrun workers) don't oversubscribe the machine.
 torch.set_num_threads(1)
+
+
+# Shared model builders and the greedy reference. Test files import them (`from conftest import
+# ...`): pytest puts this folder on sys.path.
+
+def tiny(**overrides):
+    """A small random-token config: big enough for 4 heads and GQA, small enough for exact checks."""
+    from model import GPTConfig
+    return GPTConfig(**{**dict(vocab_size=50, n_layer=2, n_head=4, d_model=64, max_seq_len=64), **overrides})
+
+
+def moe_cfg(**overrides):
+    return tiny(**{**dict(n_experts=6, top_k=2, d_expert=48), **overrides})
+
+
+def built(cfg, gamma=0.5, seed=0):
+    """GPT(cfg) γ-initialised, in eval mode. γ=0.5 makes attention patterns far from uniform, so
+    mask mistakes show in the outputs."""
+    from model import GPT, init_model_
+    model = GPT(cfg)
+    init_model_(model, gamma=gamma, seed=seed)
+    return model.eval()
+
+
+def tiny_model(gamma=1.0, seed=0, **overrides):
+    """The byte-level "tiny" size (vocab 257), the model of the byte-tokenized test checkpoints."""
+    from model import config_for
+    return built(config_for("tiny", **{"max_seq_len": 64, **overrides}), gamma=gamma, seed=seed)
+
+
+def greedy_reference(model, idx, n, stop=None):
+    """Greedy decoding by full recomputation, without a KV cache: the reference for
+    model.generate and eval.generate. idx (B, T); returns each row's n new tokens, cut after the
+    first token at which stop(tokens so far) holds. Rows never attend to each other, so decoding
+    all n and cutting afterwards is the same as stopping."""
+    seq = idx
+    with torch.no_grad():
+        for _ in range(n):
+            seq = torch.cat([seq, model(seq)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    rows = seq[:, idx.shape[1]:].tolist()
+    if stop is None:
+        return rows
+    return [row[:next((k for k in range(1, n + 1) if stop(row[:k])), n)] for row in rows]

@@ -14,7 +14,10 @@ import pytest
 import torch
 
 import eval as ev
-from model import GPT, GPTConfig, config_for, init_model_
+from conftest import built, greedy_reference, tiny_model
+from model import GPTConfig, cosine_stats, row_cosines, stable_rank
+from prepare_data import write_json
+from train import find_checkpoints, load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "..", "shared", "data")
@@ -27,13 +30,17 @@ EVAL_DATA = os.path.join(DATA, "eval")
 def test_stable_rank_matches_numpy_svd(shape):
     w = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
     s = np.linalg.svd(w.numpy().astype(np.float64), compute_uv=False)
-    assert ev.stable_rank(w) == pytest.approx((s ** 2).sum() / s[0] ** 2, rel=1e-9)
+    assert stable_rank(w) == pytest.approx((s ** 2).sum() / s[0] ** 2, rel=1e-9)
 
 
-def test_stable_rank_of_rank_one_plus_noise_is_near_one():
+def test_stable_rank_by_hand():
+    # Known singular values: U diag(s) V^T with orthonormal U, V. Stable rank sum(s^2) / max(s)^2:
+    # 14/9 for (3, 2, 1), exactly 1 for a rank-one matrix.
     g = torch.Generator().manual_seed(0)
-    w = torch.outer(torch.randn(64, generator=g), torch.randn(48, generator=g)) + 1e-4 * torch.randn(64, 48, generator=g)
-    assert 1.0 <= ev.stable_rank(w) < 1.01
+    u = torch.linalg.qr(torch.randn(64, 3, generator=g, dtype=torch.float64))[0]
+    v = torch.linalg.qr(torch.randn(48, 3, generator=g, dtype=torch.float64))[0]
+    assert stable_rank(u @ torch.diag(torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64)) @ v.T) == pytest.approx(14 / 9, rel=1e-12)
+    assert stable_rank(torch.outer(u[:, 0], v[:, 0])) == pytest.approx(1.0, rel=1e-12)
 
 
 def brute_force_cosines(w, threshold):
@@ -53,7 +60,7 @@ def test_row_cosine_stats_match_brute_force_on_condensed_rows():
     signs = torch.tensor([1.0, -1.0])[torch.randint(2, (24,), generator=g)]
     w = signs[:, None] * directions[torch.randint(2, (24,), generator=g)] + 0.6 * torch.randn(24, 16, generator=g)
     mean_abs, frac = brute_force_cosines(w, 0.7)
-    stats = ev.cosine_stats(ev.row_cosines(w), 0.7)
+    stats = cosine_stats(row_cosines(w), 0.7)
     assert 0.05 < frac < 0.95
     assert stats["mean_abs_cos"] == pytest.approx(mean_abs, rel=1e-9)
     assert stats["frac_cos_gt"] == pytest.approx(frac, abs=1e-12)
@@ -68,10 +75,10 @@ def test_row_cosine_subsample_is_an_unbiased_estimate():
     full, _ = brute_force_cosines(w, 0.7)
     estimates = []
     for seed in range(300):
-        cos = ev.row_cosines(w, max_rows=10, seed=seed)
+        cos = row_cosines(w, max_rows=10, seed=seed)
         assert cos.shape == (10, 10)
-        estimates.append(ev.cosine_stats(cos)["mean_abs_cos"])
-    assert torch.equal(ev.row_cosines(w, 10, seed=7), ev.row_cosines(w, 10, seed=7))
+        estimates.append(cosine_stats(cos)["mean_abs_cos"])
+    assert torch.equal(row_cosines(w, 10, seed=7), row_cosines(w, 10, seed=7))
     assert np.mean(estimates) == pytest.approx(full, abs=4 * np.std(estimates) / math.sqrt(300))
     assert np.std(estimates) > 0.01  # the subsets really differ
 
@@ -324,11 +331,11 @@ def test_scaling_reads_loss_jsons_and_counts_nonembedding_params_by_default(tmp_
     baselines = []
     for i, (body, emb) in enumerate(sizes):
         path = tmp_path / f"base{i}.json"
-        ev.write_json(path, {"analysis": "loss", "summary": {"loss": law(body), "params_total": body + emb,
+        write_json(path, {"analysis": "loss", "summary": {"loss": law(body), "params_total": body + emb,
                                                             "params_active": body + emb, "params_embedding": emb}})
         baselines.append(str(path))
     compare = tmp_path / "gamma1.json"
-    ev.write_json(compare, {"analysis": "loss", "summary": {"loss": law(1.44 * 5e7), "params_total": 5e7 + 4e7,
+    write_json(compare, {"analysis": "loss", "summary": {"loss": law(1.44 * 5e7), "params_total": 5e7 + 4e7,
                                                           "params_active": 5e7 + 4e7, "params_embedding": 4e7}})
     result = ev.main(["scaling", "--baseline", *baselines, "--compare", str(compare)])
     assert result["summary"]["count"] == "nonembedding"
@@ -359,7 +366,7 @@ def test_scaling_and_report_commands(tmp_path, capsys):
     compare = result["rows"][-1]
     assert 0 < compare["size_ratio_err"] < 0.2
     loss_json = tmp_path / "loss.json"
-    ev.write_json(loss_json, {"analysis": "loss", "summary": {"loss": 2.5, "ppl": math.exp(2.5)}, "rows": []})
+    write_json(loss_json, {"analysis": "loss", "summary": {"loss": 2.5, "ppl": math.exp(2.5)}, "rows": []})
     report = tmp_path / "report.md"
     ev.main(["report", str(out), str(loss_json), "--out", str(report)])
     text = report.read_text()
@@ -372,17 +379,11 @@ def test_scaling_and_report_commands(tmp_path, capsys):
 # ----------------------------------------------------------------------------- generation and sink helpers
 
 def test_generate_crops_long_prompts_and_passes_stop_through():
-    cfg = GPTConfig(vocab_size=30, n_layer=1, n_head=2, d_model=32, max_seq_len=16)
-    model = GPT(cfg)
-    init_model_(model, gamma=0.5)
+    model = built(GPTConfig(vocab_size=30, n_layer=1, n_head=2, d_model=32, max_seq_len=16))
     prompt = list(range(1, 25))  # longer than max_seq_len
     out = ev.generate(model, prompt, 6)
-    # Reference: greedy by full recomputation on the last 10 prompt tokens (16 - 6 new).
-    ref = torch.tensor([prompt[-10:]])
-    with torch.no_grad():
-        for _ in range(6):
-            ref = torch.cat([ref, model(ref)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
-    assert out == [ref[0, 10:].tolist()]
+    # Reference: greedy on the last 10 prompt tokens (16 - 6 new).
+    assert out == greedy_reference(model, torch.tensor([prompt[-10:]]), 6)
     stop_at = out[0][2]
     assert ev.generate(model, prompt, 6, stop=lambda toks: toks[-1] == stop_at)[0][-1] == stop_at
     assert len(ev.generate(model, prompt, 40)[0]) == 15  # capped to leave one prompt token
@@ -410,12 +411,6 @@ def test_format_table_aligns_and_formats():
 # ----------------------------------------------------------------------------- tiny checkpoints
 
 BYTES_META = {"tokenizer": "bytes", "vocab_size": 257, "eot_id": 256}
-
-
-def tiny_model(gamma=1.0, seed=0, **overrides):
-    model = GPT(config_for("tiny", **{"max_seq_len": 64, **overrides}))
-    init_model_(model, gamma=gamma, seed=seed)
-    return model.eval()
 
 
 def export(model, path, step=0, data_dir=None, **config):
@@ -448,14 +443,14 @@ def test_one_loading_path_for_exports_dcp_folders_and_run_folders(tmp_path):
     shutil.copytree(tmp_path / "run" / "ckpt_00000200", tmp_path / "run" / "tmp_ckpt_00000300")
     shutil.copytree(tmp_path / "run" / "ckpt_00000200", tmp_path / "run" / "ckpt_00000400")
     os.remove(tmp_path / "run" / "ckpt_00000400" / ".metadata")
-    loaded, info = ev.load_model(str(tmp_path / "run"))
+    loaded, info = load_model(str(tmp_path / "run"))
     assert info["step"] == 200 and torch.equal(loaded(x)[0], late(x)[0])
-    loaded, info = ev.load_model(export(early, tmp_path / "early.pt", step=100))
+    loaded, info = load_model(export(early, tmp_path / "early.pt", step=100))
     assert info["step"] == 100 and torch.equal(loaded(x)[0], early(x)[0])
-    assert [os.path.basename(p) for p in ev.find_checkpoints(str(tmp_path / "run"))] == ["ckpt_00000100", "ckpt_00000200"]
+    assert [os.path.basename(p) for p in find_checkpoints(str(tmp_path / "run"))] == ["ckpt_00000100", "ckpt_00000200"]
     torch.save({"weights": {}}, tmp_path / "foreign.pt")
-    with pytest.raises(SystemExit, match="not a smallinit export"):
-        ev.load_model(str(tmp_path / "foreign.pt"))
+    with pytest.raises(ValueError, match="not a smallinit export"):
+        load_model(str(tmp_path / "foreign.pt"))
 
 
 def test_load_model_builds_on_meta_and_keeps_tied_embeddings(tmp_path, monkeypatch):
@@ -465,7 +460,7 @@ def test_load_model_builds_on_meta_and_keeps_tied_embeddings(tmp_path, monkeypat
     original = torch.nn.Linear.reset_parameters
     monkeypatch.setattr(torch.nn.Linear, "reset_parameters",
                         lambda self: (devices.append(self.weight.device.type), original(self))[1])
-    loaded, _ = ev.load_model(path)
+    loaded, _ = load_model(path)
     assert devices and set(devices) == {"meta"}  # no random init ever ran on real memory
     assert loaded.lm_head.weight is loaded.tok_emb.weight
     assert loaded.num_params() == model.num_params()
@@ -804,17 +799,6 @@ def test_math_bench_cuts_at_the_next_question_and_votes(tmp_path):
     assert summary["accuracy"] == pytest.approx(2 / 3) and summary["maj_accuracy"] == 1.0
 
 
-def greedy_by_hand(model, idx, n, stop):
-    """Greedy decoding by full recomputation, the reference for the KV-cache path."""
-    new = []
-    for _ in range(n):
-        with torch.no_grad():
-            new.append(int(model(torch.tensor([idx + new]))[0][0, -1].argmax()))
-        if stop(new):
-            break
-    return new
-
-
 def test_bench_gsm8k_and_sample_run_on_a_tiny_checkpoint(tmp_path, capsys):
     model = tiny_model(seed=5, max_seq_len=256)
     ckpt = export(model, tmp_path / "m.pt")
@@ -827,12 +811,13 @@ def test_bench_gsm8k_and_sample_run_on_a_tiny_checkpoint(tmp_path, capsys):
     decode = lambda ids: bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
     for question, row in zip(("What is 4*2?", "1+1?"), result["rows"]):
         prompt = f"Question: What is 2+3?\nAnswer: 2+3=5\n#### 5\n\nQuestion: {question}\nAnswer:"
-        out = greedy_by_hand(model, list(prompt.encode()), 12, lambda t: 256 in t or "\n\nQuestion:" in decode(t))
+        (out,) = greedy_reference(model, torch.tensor([list(prompt.encode())]), 12,
+                                  lambda t: 256 in t or "\n\nQuestion:" in decode(t))
         completion = decode(out).split("\n\nQuestion:")[0]
         assert row["completion"] == completion and row["predicted"] == ev.extract_answer(completion)
     capsys.readouterr()
     ev.main(["sample", ckpt, "--prompt", "The cat", "--max-new-tokens", "5", "--temperature", "0"])
-    out = greedy_by_hand(model, list(b"The cat"), 5, lambda t: t[-1] == 256)  # sample ends at end-of-text
+    (out,) = greedy_reference(model, torch.tensor([list(b"The cat")]), 5, lambda t: t[-1] == 256)  # ends at end-of-text
     printed = capsys.readouterr().out.split("--- sample 0\n")[1]
     assert printed.rstrip("\n") == ("The cat" + decode(out)).rstrip("\n")
 
@@ -878,22 +863,25 @@ def test_anchor_scores_on_hand_made_predictions(anchor_data):
     assert summary["seen_pair_acc"] == 0.0 and summary["heldout_other"] == 1.0
 
 
-def test_bench_anchor_end_to_end(tmp_path, anchor_data):
-    from prepare_data import load_meta
-    meta = load_meta(anchor_data)
-    model = tiny_model(vocab_size=meta["vocab_size"], eot_id=meta["eot_id"])
-    result = ev.main(["bench", export(model, tmp_path / "a.pt", data_dir=anchor_data), "--task", "anchor"])
-    held = result["rows"][-1]
-    # By hand: the model's argmax answer on each held-out record, whose stored target is the
-    # inferential answer x-10; the symmetric one is x-6, i.e. target + 4.
-    from prepare_data import read_records
-    records = torch.from_numpy(read_records(anchor_data, "heldout"))
-    with torch.no_grad():
-        predicted = model(records[:, :-1])[0][:, -1].argmax(-1)
-    target = records[:, -1]
-    assert held["split"] == "heldout"
-    assert held["inferential"] == pytest.approx((predicted == target).double().mean().item())
-    assert held["symmetric"] == pytest.approx((predicted == target + 4).double().mean().item())
+def test_bench_anchor_command_reports_a_correct_models_answers(tmp_path, anchor_data, monkeypatch):
+    # The command line end to end (checkpoint -> scores -> table and JSON) on a model built to
+    # answer: composite rule on the held-out pair, and the mirror pair's rule (symmetric).
+    # load_model is replaced only because a hand-made rule is no GPT checkpoint; loading
+    # itself is tested above.
+    shift = {1: 5, 2: 1, 3: -2, 4: -8}
+    composite = lambda x, a, b: x + shift[a] + shift[b]
+    trained = lambda x, a, b: x - 6 if (a, b) == (3, 4) else composite(x, a, b)
+    symmetric = lambda x, a, b: x - 6 if (a, b) in ((3, 4), (4, 3)) else composite(x, a, b)
+    for rule, inferential in ((trained, 1.0), (symmetric, 0.0)):
+        monkeypatch.setattr(ev, "load_model", lambda path, device: (AnchorOracle(rule), {"config": {}}))
+        out = tmp_path / "anchor.json"
+        result = ev.main(["bench", "unused.pt", "--task", "anchor", "--data", anchor_data, "--json-out", str(out)])
+        val, test, held = result["rows"]
+        assert [r["split"] for r in result["rows"]] == ["val", "test", "heldout"]
+        assert val["accuracy"] == test["accuracy"] == 1.0 and held["accuracy"] == inferential
+        assert held["inferential"] == inferential and held["symmetric"] == 1.0 - inferential
+        with open(out) as f:
+            assert json.load(f)["summary"] == result["summary"]
 
 
 @pytest.mark.slow

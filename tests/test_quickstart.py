@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -16,24 +17,34 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("quickstart")
+    t0 = time.time()
     proc = subprocess.run([sys.executable, "quickstart.py", "--smoke", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
+    elapsed = time.time() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out / "quickstart.json") as f:
-        return out, proc.stdout, json.load(f)
+        return out, proc.stdout, json.load(f), elapsed
 
 
 @pytest.mark.slow
 def test_table_printed_with_sane_numbers(smoke):
-    out, stdout, result = smoke
+    out, stdout, result, elapsed = smoke
     assert result["smoke"] is True
     rows = {r["name"]: r for r in result["results"]}
     assert set(rows) == {"gamma05", "gamma1"}
+    n_eval = result["data"]["--n-eval"]  # records in each evaluation split
     for r in rows.values():
-        shares = [r["inferential"], r["symmetric"], r["other"]]
-        assert all(0 <= s <= 1 for s in shares)
-        assert 0 <= r["seen_pair_acc"] <= 1 and 0 <= r["test_key_acc"] <= 1
-        assert r["wall_s"] > 0
+        # Shares and accuracies are counts of records over n_eval (a wrong denominator or a
+        # mean over tokens would not be).
+        for key in ("inferential", "symmetric", "other", "seen_pair_acc", "test_key_acc"):
+            assert r[key] * n_eval == pytest.approx(round(r[key] * n_eval), abs=1e-6), key
+        # A run's wall time covers its training steps (train.py's own clock, summed from the
+        # logged tokens and rates) and fits inside the whole quickstart.
+        with open(out / r["name"] / "metrics.jsonl") as f:
+            logged = [row for row in map(json.loads, f) if "tokens_per_s" in row]
+        tokens = [0] + [row["tokens"] for row in logged]
+        train_s = sum((b - a) / row["tokens_per_s"] for a, b, row in zip(tokens, tokens[1:], logged))
+        assert train_s < r["wall_s"] < elapsed
         # The printed row carries the same numbers as the JSON.
         line = next(line for line in stdout.splitlines() if line.startswith(r["label"]))
         assert f"{r['inferential']:.1%}" in line and f"{r['val_loss']:.3g}" in line
@@ -51,9 +62,9 @@ def test_table_printed_with_sane_numbers(smoke):
 def test_heldout_shares_match_a_hand_count(smoke):
     """Recount the held-out answers from the trained model with this file's own reading of
     the records: the key is the token before the first anchor (1..4), the pair the two after."""
-    from eval import load_model
+    from train import load_model
     from prepare_data import read_records
-    out, _, result = smoke
+    out, _, result, _ = smoke
     records = read_records(str(out / "data"), "heldout")
     for r in result["results"]:
         model, _ = load_model(str(out / r["name"]), "cpu")
