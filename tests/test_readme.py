@@ -43,6 +43,12 @@ COMMANDS = {
     "python train.py config/gamma1_1p5b.py --dry_run=8": ("run", None, ""),
     "python train.py export out/tiny_bytes/ckpt_00000500 tiny_bytes.pt":
         ("run", "python train.py export out/tiny_bytes/ckpt_00000006 tiny_bytes.pt", "the 6-step run's checkpoint"),
+    "python bench.py":
+        ("run", "python bench.py --variants reference,default,moe-grouped --batch 2 --seq-len 16 --steps 1 --repeats 2 "
+                "--warmup 1", "3 variants, 32-token steps"),
+    "python bench.py --suite cuda --json-out bench_cuda.json":
+        (None, None, "needs a GPU: its plan is the --dry-run command below; tests/test_bench.py runs its variants shrunk"),
+    "python bench.py --suite cuda --dry-run": ("run", None, ""),
     "python prepare_data.py text --out data/bi_bytes --tokenizer bytes --source en=my_corpus/en,weight=0.5 "
     "--source 'zh=my_corpus/zh/*.txt,weight=0.5'": ("run", None, ""),
     "python train.py config/tiny_bytes.py --data_dir=data/bi_bytes --out_dir=out/g1 --max_steps=300 "
