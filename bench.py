@@ -19,6 +19,7 @@ import argparse
 import fnmatch
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -189,7 +190,8 @@ class Suite:
     steps: int          # timed steps per repeat
     repeats: int
     warmup: int         # untimed steps first; the first one (compile) is reported apart
-    peak_n: int         # n of the n×n×n matmul the peak is measured on
+    peak_n: int         # n of the n×n×n matmul the peak is measured on ...
+    peak_reps: int      # ... timed over this many matmuls (tens of ms), best of 5
     # For --dry-run's estimate only (assumptions, printed with it):
     assumed_mfu: float
     compile_s: float    # per compiled model structure
@@ -198,9 +200,9 @@ class Suite:
 
 SUITES = {
     # One step per sample on CPU: a step is already seconds long.
-    "cpu": Suite(cpu_variants, "cpu", steps=1, repeats=5, warmup=2, peak_n=1024,
+    "cpu": Suite(cpu_variants, "cpu", steps=1, repeats=5, warmup=2, peak_n=1024, peak_reps=3,
                  assumed_mfu=0.6, compile_s=45.0, nominal_peak=0.0),
-    "cuda": Suite(cuda_variants, "cuda", steps=10, repeats=5, warmup=3, peak_n=8192,
+    "cuda": Suite(cuda_variants, "cuda", steps=10, repeats=5, warmup=3, peak_n=8192, peak_reps=50,
                   assumed_mfu=0.4, compile_s=30.0, nominal_peak=989e12),
 }
 
@@ -241,7 +243,7 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def matmul_peak(device, dtype, n, trials=5, reps=3):
+def matmul_peak(device, dtype, n, reps, trials=5):
     """FLOP/s of an n×n×n matmul, best of `trials` timings of `reps` matmuls: large enough to
     reach the BLAS's best rate, and the best of several so a scheduler hiccup doesn't count."""
     a = torch.randn(n, n, device=device, dtype=dtype)
@@ -432,15 +434,13 @@ def main(argv=None):
     here = suite.device == "cpu" or torch.cuda.is_available()
     if not here and not args.dry_run:
         raise ValueError(f"--suite {args.suite} needs a CUDA GPU: run it there, or add --dry-run for its plan")
+    if args.json_out:  # before the run, not after it: a bad folder should not cost the measurement
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
     device = torch.device(suite.device)
-    # Every compiled variant recompiles the same Block.forward: allow one graph per variant,
-    # and keep shapes static (a dynamic recompile would time slower kernels).
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(variants))
-    torch._dynamo.config.automatic_dynamic_shapes = False
     if args.dry_run and not here:
         peak = suite.nominal_peak
     else:
-        peak = matmul_peak(device, getattr(torch, variants[0].group.dtype), suite.peak_n)
+        peak = matmul_peak(device, getattr(torch, variants[0].group.dtype), suite.peak_n, suite.peak_reps)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" and here else suite.device
     print(f"device {name}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads; matmul peak "
@@ -450,10 +450,14 @@ def main(argv=None):
     print(text)
     if args.dry_run:
         return
-    rows = measure(variants, device, steps, repeats, warmup, peak)
+    # Every compiled variant recompiles the same Block.forward: allow one graph per variant,
+    # and keep shapes static (a dynamic recompile would time slower kernels).
+    with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 4 * len(variants)),
+                                    automatic_dynamic_shapes=False):
+        rows = measure(variants, device, steps, repeats, warmup, peak)
     print(format_rows(rows))
     if args.json_out:
-        setup = {"suite": args.suite, "device": str(device), "torch": torch.__version__,
+        setup = {"suite": args.suite, "device": name, "torch": torch.__version__,
                  "threads": torch.get_num_threads(), "matmul_peak_flops": peak, "matmul_peak_n": suite.peak_n,
                  "steps": steps, "repeats": repeats, "warmup": warmup}
         atomic_write_bytes(args.json_out, [json.dumps({**setup, "rows": rows}, indent=1, allow_nan=False).encode()])

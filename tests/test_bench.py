@@ -151,7 +151,7 @@ TINY = ["--batch", "2", "--seq-len", "16", "--steps", "2", "--repeats", "2", "--
 
 def check_rows(path, names):
     out = json.loads(path.read_text())
-    assert out["suite"] == "cpu" and out["steps"] == 2 and out["repeats"] == 2 and out["matmul_peak_n"] == 1024
+    assert (out["suite"], out["device"]) == ("cpu", "cpu") and out["steps"] == 2 and out["repeats"] == 2 and out["matmul_peak_n"] == 1024
     rows = out["rows"]
     assert [r["variant"] for r in rows] == names
     first = rows[0]["tokens_per_s"]
