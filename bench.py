@@ -320,7 +320,7 @@ class Runner:
         return (time.perf_counter() - start) / steps
 
 
-def measure(variants, device, steps, repeats, warmup, peak, log=print):
+def measure(variants, device, steps, repeats, warmup, peak):
     """One row per variant (see the module docstring); groups one after another."""
     rows = []
     for group, members in groups_of(variants):
@@ -330,7 +330,7 @@ def measure(variants, device, steps, repeats, warmup, peak, log=print):
             first_step[v] = runners[v].timed(1)
             for _ in range(warmup - 1):
                 runners[v].step()
-            log(f"  {v.full_name}: first step {first_step[v]:.2f} s")
+            print(f"  {v.full_name}: first step {first_step[v]:.2f} s")
         samples = {v: [] for v in members}
         for r, v in schedule(members, repeats):
             samples[v].append(runners[v].timed(steps))
