@@ -52,6 +52,12 @@ COMMANDS = {
     "python eval.py report results/lr_grid.json --plot-x lr --out report.md": ("run", None, ""),
     "python sweep.py config/cpu_lm.py --arm 'g05=,gamma=0.5,lr=0.01' --arm 'g1=,gamma=1.0,lr=0.003' --seeds 0,1,2 "
     "--name gamma_pair --dry-run": ("run", None, ""),
+    "python bench.py":
+        ("run", "python bench.py --variants reference,default,moe-grouped --batch 2 --seq-len 16 --steps 1 --repeats 2 "
+                "--warmup 1", "3 variants, 32-token steps"),
+    "python bench.py --suite cuda --json-out bench_cuda.json":
+        (None, None, "needs a GPU: its plan is the --dry-run command below; tests/test_bench.py runs its variants shrunk"),
+    "python bench.py --suite cuda --dry-run": ("run", None, ""),
     "python prepare_data.py text --out data/bi_bytes --tokenizer bytes --source en=my_corpus/en,weight=0.5 "
     "--source 'zh=my_corpus/zh/*.txt,weight=0.5'": ("run", None, ""),
     "python train.py config/tiny_bytes.py --data_dir=data/bi_bytes --out_dir=out/g1 --max_steps=300 "

@@ -1,0 +1,470 @@
+"""
+Training throughput of model variants, measured in one run: a full step (forward, backward,
+AdamW step) of each variant, after warm-up, interleaved round-robin over several repeats.
+
+    python bench.py                                   # the CPU suite (~5M parameters)
+    python bench.py --variants reference,default,gate-none --repeats 3
+    python bench.py --suite cuda --json-out bench_h100.json   # 0.1B and 1.5B on one GPU
+    python bench.py --suite cuda --dry-run            # its plan and estimated time, on any machine
+
+Per variant: tokens/s (median over repeats, min-max), ms/step, MFU and the ratio to the first
+selected variant of its group (a plain GPT of the same size, written below as the yardstick),
+plus the first step's time apart (it includes torch.compile). MFU is against a matmul peak
+measured here in the same run, so on a CPU it says how much of what this CPU's matmuls reach
+now the model uses. Variants are interleaved so that drift (clock, thermal, a neighbour's load)
+spreads over all of them instead of biasing the ones timed last.
+"""
+
+import argparse
+import fnmatch
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from init import gamma_init_
+from model import GPT, SIZES, GPTConfig, init_model_
+from prepare_data import atomic_write_bytes
+
+
+# ----------------------------------------------------------------------------- the yardstick
+
+class PlainBlock(nn.Module):
+    """nanoGPT's block: LayerNorm, one fused q/k/v matrix, SDPA's causal kernel, GELU MLP."""
+
+    def __init__(self, d_model, n_head, d_ff):
+        super().__init__()
+        self.n_head = n_head
+        self.ln_attn = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.proj = nn.Linear(d_model, d_model, bias=False)
+        self.ln_mlp = nn.LayerNorm(d_model)
+        self.up = nn.Linear(d_model, d_ff, bias=False)
+        self.down = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        q, k, v = self.qkv(self.ln_attn(x)).view(B, T, 3, self.n_head, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, d))
+        return x + self.down(F.gelu(self.up(self.ln_mlp(x))))
+
+
+class PlainGPT(nn.Module):
+    """GPT-2 without the parts smallinit changes: learned positions, LayerNorm, GELU."""
+
+    def __init__(self, vocab_size, n_layer, n_head, d_model, d_ff, seq_len):
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(seq_len, d_model)
+        self.layers = nn.ModuleList(PlainBlock(d_model, n_head, d_ff) for _ in range(n_layer))
+        self.norm = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        self.n_layer, self.d_model = n_layer, d_model
+
+    def forward(self, idx, targets):
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.layers:
+            x = block(x)
+        logits = self.lm_head(self.norm(x))
+        # fp32 loss over the logits, as GPT.forward computes it.
+        return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+    def num_params(self):
+        n = sum(p.numel() for p in self.parameters())
+        return {"total": n, "active": n}
+
+    def flops_per_token(self, seq_len):
+        # GPT.flops_per_token's convention: 6 per matmul weight (the lookups cost nothing)
+        # plus 12 * n_layer * d * T for the attention scores and their weighted sum.
+        matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        return 6 * matmul + 12 * self.n_layer * self.d_model * seq_len
+
+
+def plain_d_ff(cfg, seq_len):
+    """The plain GPT's MLP width that gives it the parameter count of GPT(cfg), rounded to a
+    multiple of 64 (a matmul-friendly width): per block 4d² attention + 4d LayerNorm + 2·d·d_ff
+    MLP, plus two embeddings, learned positions, a final LayerNorm and the lm_head."""
+    with torch.device("meta"):
+        target = GPT(cfg).num_params()["total"]
+    d, L = cfg.d_model, cfg.n_layer
+    fixed = 2 * cfg.vocab_size * d + seq_len * d + L * (4 * d * d + 4 * d) + 2 * d
+    return max(64, 64 * round((target - fixed) / (2 * d * L) / 64))
+
+
+# ----------------------------------------------------------------------------- variants
+
+@dataclass(frozen=True)
+class Group:
+    """One model size and shape; ratios are to the group's first variant. Groups run one after
+    another (all of a group's models are alive at once, so it can be interleaved)."""
+    name: str
+    config: dict        # GPTConfig fields of the size, e.g. SIZES["0.1b"]
+    batch: int
+    seq_len: int
+    dtype: str          # float32, or bfloat16 (weights, activations and AdamW state)
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, so usable as a dict key
+class Variant:
+    name: str
+    about: str
+    group: Group
+    model: dict = field(default_factory=dict)   # GPTConfig fields over the group's
+    reference: bool = False                     # the plain GPT instead of model.GPT
+    gamma: float = 1.0
+    compile: bool = False                       # torch.compile each block, as train.py does
+
+    @property
+    def full_name(self):
+        return f"{self.group.name}/{self.name}"
+
+    def gpt_config(self):
+        return GPTConfig(**{**self.group.config, "max_seq_len": self.group.seq_len, **self.model})
+
+
+def moe_fields(config):
+    # Eight experts, top-2, each half the dense MLP's width: the same active parameters (and
+    # FLOPs) per token as the dense model, four times its MLP weights.
+    d_ff = GPTConfig(**config).d_ff
+    return dict(n_experts=8, top_k=2, d_expert=d_ff // 2)
+
+
+def common_variants(g, compile, attn):
+    """The variants every group shares: what each feature of model.GPT costs against the plain
+    GPT, at the group's compile setting."""
+    moe = moe_fields(g.config)
+    return [
+        Variant("reference", "plain GPT: LayerNorm, GELU, learned positions, fused qkv", g,
+                reference=True, compile=compile),
+        Variant("default", "model.GPT: RMSNorm, RoPE, SwiGLU, elementwise gate, γ=1", g, compile=compile),
+        Variant("gate-headwise", "one gate per head (d×n_head matrix)", g, dict(attn_gate="headwise"), compile=compile),
+        Variant("gate-none", "no attention gate", g, dict(attn_gate="none"), compile=compile),
+        Variant("gelu", "GELU MLP instead of SwiGLU (same parameters)", g, dict(mlp="gelu"), compile=compile),
+        Variant(f"attn-{attn}", f"{attn} attention backend", g, dict(attn_backend=attn), compile=compile),
+        Variant("gamma-0.5", "γ=0.5 init: other weights, the same step", g, gamma=0.5, compile=compile),
+        # The meta kernel of torch._grouped_mm accepts bf16 only, so fp32 runs it eager.
+        Variant("moe-grouped", "MoE 8 experts top-2, torch._grouped_mm", g, moe,
+                compile=compile and g.dtype == "bfloat16"),
+        # The loop's token counts per expert change every step: compiled with static shapes it
+        # would recompile each time, so it runs eager.
+        Variant("moe-reference", "MoE 8 experts top-2, loop over experts (eager)", g, {**moe, "moe_impl": "reference"}),
+    ]
+
+
+def cpu_variants():
+    # ~5M parameters, 4,096 tokens a step: a model one CPU core trains at a few steps a second.
+    g = Group("5m", dict(vocab_size=257, n_layer=6, n_head=4, d_model=256), batch=16, seq_len=256, dtype="float32")
+    return common_variants(g, compile=False, attn="eager") + [
+        Variant("reference-compiled", "plain GPT, blocks compiled", g, reference=True, compile=True),
+        Variant("default-compiled", "model.GPT, blocks compiled", g, compile=True),
+    ]
+
+
+def cuda_variants():
+    # The configs' per-GPU micro-batches at T=2048, bf16, compiled blocks, FlexAttention,
+    # causal masks (the plain GPT has no document masking). At 1.5B only the two headline
+    # variants: each holds ~12 GB of weights and AdamW state next to ~40 GB of activations.
+    flex = dict(attn_backend="flex")
+    small = Group("0.1b", {**SIZES["0.1b"], **flex}, batch=16, seq_len=2048, dtype="bfloat16")
+    large = Group("1.5b", {**SIZES["1.5b"], **flex}, batch=8, seq_len=2048, dtype="bfloat16")
+    return common_variants(small, compile=True, attn="sdpa") + [
+        Variant("uncompiled", "model.GPT without torch.compile (flex is still compiled)", small),
+        Variant("reference", "plain GPT: LayerNorm, GELU, learned positions, fused qkv", large,
+                reference=True, compile=True),
+        Variant("default", "model.GPT: RMSNorm, RoPE, SwiGLU, elementwise gate, γ=1", large, compile=True),
+    ]
+
+
+@dataclass(frozen=True)
+class Suite:
+    variants: object    # () -> [Variant]
+    device: str
+    steps: int          # timed steps per repeat
+    repeats: int
+    warmup: int         # untimed steps first; the first one (compile) is reported apart
+    peak_n: int         # n of the n×n×n matmul the peak is measured on ...
+    peak_reps: int      # ... timed over this many matmuls (tens of ms), best of 5
+    # For --dry-run's estimate only (assumptions, printed with it):
+    assumed_mfu: float
+    compile_s: float    # per compiled model structure
+    nominal_peak: float  # used when the suite's device is not this machine's (0: measure)
+
+
+SUITES = {
+    # One step per sample on CPU: a step is already seconds long.
+    "cpu": Suite(cpu_variants, "cpu", steps=1, repeats=5, warmup=2, peak_n=1024, peak_reps=3,
+                 assumed_mfu=0.6, compile_s=45.0, nominal_peak=0.0),
+    "cuda": Suite(cuda_variants, "cuda", steps=10, repeats=5, warmup=3, peak_n=8192, peak_reps=50,
+                  assumed_mfu=0.4, compile_s=30.0, nominal_peak=989e12),
+}
+
+
+def select(variants, patterns):
+    """Variants matching any comma-separated pattern (fnmatch) on 'group/name' or 'name', in
+    suite order. A pattern matching nothing is an error listing the names."""
+    if not patterns:
+        return variants
+    chosen = set()
+    for pattern in patterns.split(","):
+        hits = [v for v in variants if fnmatch.fnmatchcase(v.full_name, pattern) or fnmatch.fnmatchcase(v.name, pattern)]
+        if not hits:
+            raise ValueError(f"--variants: {pattern!r} matches no variant; choose from "
+                             f"{', '.join(v.full_name for v in variants)}")
+        chosen.update(v.full_name for v in hits)
+    return [v for v in variants if v.full_name in chosen]
+
+
+def groups_of(variants):
+    """[(group, [variants])] in first-appearance order."""
+    out = {}
+    for v in variants:
+        out.setdefault(v.group.name, (v.group, []))[1].append(v)
+    return list(out.values())
+
+
+def schedule(variants, repeats):
+    """(repeat, variant) in timing order: within a group every repeat visits each variant once,
+    in the same order (round-robin); groups one after another."""
+    return [(r, v) for _, members in groups_of(variants) for r in range(repeats) for v in members]
+
+
+# ----------------------------------------------------------------------------- measuring
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(device, dtype, n, reps, trials=5):
+    """FLOP/s of an n×n×n matmul, best of `trials` timings of `reps` matmuls: large enough to
+    reach the BLAS's best rate, and the best of several so a scheduler hiccup doesn't count."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up: thread pool, cuBLAS handle and heuristics
+    best = math.inf
+    for _ in range(trials):
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        synchronize(device)
+        best = min(best, (time.perf_counter() - start) / reps)
+    return 2 * n**3 / best
+
+
+def make_model(v):
+    """The variant's model, uninitialised (call under torch.device("meta") to only count it)."""
+    if v.reference:
+        cfg = v.gpt_config()
+        return PlainGPT(cfg.vocab_size, cfg.n_layer, cfg.n_head, cfg.d_model, plain_d_ff(cfg, v.group.seq_len),
+                        v.group.seq_len)
+    return GPT(v.gpt_config())
+
+
+def build(v, device):
+    """A variant's model on device in its dtype, γ-initialised, its blocks compiled if asked.
+    Built on meta and materialised on the device, as train.py does: the full fp32 model never
+    sits in host memory first."""
+    with torch.device("meta"):
+        model = make_model(v)
+    model.to_empty(device=device)
+    if v.reference:
+        gamma_init_(model, gamma=v.gamma)
+    else:
+        init_model_(model, gamma=v.gamma)
+    model.to(dtype=getattr(torch, v.group.dtype))
+    if v.compile:
+        for block in model.layers:
+            block.compile(dynamic=False)  # in place, as train.py compiles
+    return model
+
+
+class Runner:
+    """A variant ready to step: its model, optimizer and one fixed random batch."""
+
+    def __init__(self, v, device):
+        self.v, self.device = v, device
+        self.model = build(v, device)
+        self.flops_per_token = self.model.flops_per_token(v.group.seq_len)
+        self.params = self.model.num_params()
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1, fused=device.type == "cuda")
+        gen = torch.Generator().manual_seed(0)
+        vocab = self.model.lm_head.out_features
+        tokens = torch.randint(vocab, (v.group.batch, v.group.seq_len + 1), generator=gen).to(device)
+        self.idx, self.targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def step(self):
+        _, loss = self.model(self.idx, self.targets)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if isinstance(self.model, GPT):
+            self.model.update_moe_bias()  # part of train.py's step for MoE; None for dense
+
+    def timed(self, steps):
+        """Seconds per step over `steps` steps."""
+        synchronize(self.device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        synchronize(self.device)
+        return (time.perf_counter() - start) / steps
+
+
+def measure(variants, device, steps, repeats, warmup, peak):
+    """One row per variant (see the module docstring); groups one after another."""
+    rows = []
+    for group, members in groups_of(variants):
+        runners, first_step = {}, {}
+        for v in members:
+            runners[v] = Runner(v, device)
+            first_step[v] = runners[v].timed(1)
+            for _ in range(warmup - 1):
+                runners[v].step()
+            print(f"  {v.full_name}: first step {first_step[v]:.2f} s")
+        samples = {v: [] for v in members}
+        for r, v in schedule(members, repeats):
+            samples[v].append(runners[v].timed(steps))
+        tokens = group.batch * group.seq_len
+        base = None
+        for v in members:
+            tps = sorted(tokens / s for s in samples[v])
+            median = statistics.median(tps)
+            base = base or median
+            run = runners[v]
+            rows.append({
+                "variant": v.full_name, "about": v.about, "params": run.params["total"],
+                "active_params": run.params["active"], "flops_per_token": run.flops_per_token,
+                "batch": group.batch, "seq_len": group.seq_len, "dtype": group.dtype, "compile": v.compile,
+                "first_step_s": first_step[v], "tokens_per_s": median, "tokens_per_s_min": tps[0],
+                "tokens_per_s_max": tps[-1], "ms_per_step": 1e3 * tokens / median,
+                "mfu": run.flops_per_token * median / peak, "ratio": median / base,
+                "samples_tokens_per_s": [tokens / s for s in samples[v]],
+            })
+        del runners
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def format_rows(rows):
+    lines = [f"{'variant':<24} {'params':>8} {'tok/s':>9} {'min-max':>17} {'ms/step':>8} {'MFU':>6} "
+             f"{'ratio':>6} {'1st step s':>10}"]
+    for r in rows:
+        spread = f"{r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f}"
+        lines.append(f"{r['variant']:<24} {r['params'] / 1e6:>7.1f}M {r['tokens_per_s']:>9,.0f} {spread:>17} "
+                     f"{r['ms_per_step']:>8.1f} {r['mfu']:>6.1%} {r['ratio']:>5.2f}x {r['first_step_s']:>10.2f}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- plan
+
+# init.py draws every value on the CPU, one generator per parameter: ~20-40 ns a value on this
+# repo's CPU, so building the 1.5B models is part of the suite's time.
+INIT_S_PER_PARAM = 2e-8
+
+
+def plan(variants, suite, steps, repeats, warmup, peak):
+    """(text, estimated seconds) of a run, without building a model: parameter counts and
+    FLOPs from meta-device builds, step time from the FLOPs at the suite's assumed MFU, one
+    compilation per compiled model structure (γ changes weights, not the graph) and the init."""
+    lines, total, compiled = [], 0.0, set()
+    for group, members in groups_of(variants):
+        lines.append(f"group {group.name}: batch {group.batch} x seq_len {group.seq_len} = "
+                     f"{group.batch * group.seq_len:,} tokens/step, {group.dtype}")
+        for v in members:
+            with torch.device("meta"):
+                model = make_model(v)
+            fpt = model.flops_per_token(group.seq_len)
+            step_s = fpt * group.batch * group.seq_len / (peak * suite.assumed_mfu)
+            structure = (group.name, v.reference, tuple(sorted(v.model.items())))
+            compile_s = suite.compile_s if v.compile and structure not in compiled else 0.0
+            if v.compile:
+                compiled.add(structure)
+            n = model.num_params()["total"]
+            total += compile_s + n * INIT_S_PER_PARAM + (warmup + repeats * steps) * step_s
+            lines.append(f"  {v.full_name:<24} {n / 1e6:>8.1f}M params {fpt / 1e6:>9.1f} MFLOP/token "
+                         f"{'compiled' if v.compile else 'eager':>8}  ~{1e3 * step_s:,.0f} ms/step  {v.about}")
+    lines.append(f"steps: {warmup} warm-up, then {repeats} repeats x {steps} timed steps per variant, round-robin")
+    lines.append(f"estimated time: {total / 60:.1f} min (peak {peak / 1e12:.3g} TFLOP/s x assumed MFU "
+                 f"{suite.assumed_mfu:.0%}, {suite.compile_s:.0f} s per compiled structure, "
+                 f"{INIT_S_PER_PARAM * 1e9:.0f} ns per parameter to initialise)")
+    return "\n".join(lines), total
+
+
+# ----------------------------------------------------------------------------- main
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", choices=sorted(SUITES), default="cpu")
+    p.add_argument("--variants", default="", help="comma-separated names or patterns on group/name (default: all)")
+    p.add_argument("--steps", type=int, help="timed steps per repeat (suite default)")
+    p.add_argument("--repeats", type=int, help="round-robin passes over the variants (suite default)")
+    p.add_argument("--warmup", type=int, help="untimed steps before timing, >= 1 (suite default)")
+    p.add_argument("--batch", type=int, help="sequences per step, for every group")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence, for every group")
+    p.add_argument("--json-out", help="write the rows and the setup as JSON")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and its estimated time; build nothing")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    suite = SUITES[args.suite]
+    steps, repeats, warmup = (suite.steps if args.steps is None else args.steps,
+                              suite.repeats if args.repeats is None else args.repeats,
+                              suite.warmup if args.warmup is None else args.warmup)
+    for name, value in (("--steps", steps), ("--repeats", repeats), ("--warmup", warmup),
+                        ("--batch", args.batch), ("--seq-len", args.seq_len)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name}={value}: must be >= 1")
+    variants = select(suite.variants(), args.variants)
+    if args.batch or args.seq_len:
+        variants = [replace(v, group=replace(v.group, batch=args.batch or v.group.batch,
+                                             seq_len=args.seq_len or v.group.seq_len)) for v in variants]
+    here = suite.device == "cpu" or torch.cuda.is_available()
+    if not here and not args.dry_run:
+        raise ValueError(f"--suite {args.suite} needs a CUDA GPU: run it there, or add --dry-run for its plan")
+    if args.json_out:  # before the run, not after it: a bad folder should not cost the measurement
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+    device = torch.device(suite.device)
+    if args.dry_run and not here:
+        peak = suite.nominal_peak
+    else:
+        peak = matmul_peak(device, getattr(torch, variants[0].group.dtype), suite.peak_n, suite.peak_reps)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" and here else suite.device
+    print(f"device {name}, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads; matmul peak "
+          f"{peak / 1e12:.3g} TFLOP/s ({suite.peak_n}^3 {variants[0].group.dtype}, "
+          f"{'nominal' if args.dry_run and not here else 'best of 5, measured now'})")
+    text, _ = plan(variants, suite, steps, repeats, warmup, peak)
+    print(text)
+    if args.dry_run:
+        return
+    # Every compiled variant recompiles the same Block.forward: allow one graph per variant,
+    # and keep shapes static (a dynamic recompile would time slower kernels).
+    with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 4 * len(variants)),
+                                    automatic_dynamic_shapes=False):
+        rows = measure(variants, device, steps, repeats, warmup, peak)
+    print(format_rows(rows))
+    if args.json_out:
+        setup = {"suite": args.suite, "device": name, "torch": torch.__version__,
+                 "threads": torch.get_num_threads(), "matmul_peak_flops": peak, "matmul_peak_n": suite.peak_n,
+                 "steps": steps, "repeats": repeats, "warmup": warmup}
+        atomic_write_bytes(args.json_out, [json.dumps({**setup, "rows": rows}, indent=1, allow_nan=False).encode()])
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as e:
+        sys.exit(f"bench.py: {e}")
