@@ -117,6 +117,26 @@ def test_hf_layouts_give_every_moe_tensor_its_fan_in(make_config, gamma):
     check_every_tensor(model, moe_fan_ins(cfg), gamma)
 
 
+def test_hf_layouts_read_the_transposed_flag_gpt_oss():
+    cfg = transformers.GptOssConfig(vocab_size=300, hidden_size=64, intermediate_size=24, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                    num_local_experts=8, num_experts_per_tok=2)
+    model = build(cfg)
+    experts = model.model.layers[0].mlp.experts
+    # GPT-OSS stores (E, in, out): gate_up_proj (E, d, 2f), down_proj (E, f, d).
+    assert experts.is_transposed is True and experts.gate_up_proj.shape[1:] == (64, 48)
+    with pytest.warns(UserWarning) as caught:
+        report = {r["name"]: r for r in gamma_init_(model, gamma=1.0, fan_in_dims=HF_LAYOUTS)}
+    assert_std("gate_up_proj", experts.gate_up_proj, cfg.hidden_size ** -1.0)
+    assert_std("down_proj", experts.down_proj, cfg.intermediate_size ** -1.0)
+    assert_std("router", model.model.layers[0].mlp.router.weight, cfg.hidden_size ** -1.0)
+    # Its 2-D expert biases and attention sinks are not classified: left as they were and named.
+    skipped = sorted(n for n, r in report.items() if r["action"] == "skipped")
+    assert skipped == ["model.layers.0.mlp.experts.down_proj_bias", "model.layers.0.mlp.experts.gate_up_proj_bias",
+                       "model.layers.0.self_attn.sinks"]
+    assert all(n in str(caught[0].message) for n in skipped)
+
+
 def test_stacked_experts_without_the_preset_are_skipped_not_guessed():
     model = build(_mixtral())
     experts = model.model.layers[0].mlp.experts
