@@ -244,7 +244,7 @@ def test_readme_hf_recipe_survives_post_init_init_weights_and_save_load(tmp_path
     emb = model.get_input_embeddings().weight
     assert torch.equal(emb[:vocab], state["model.embed_tokens.weight"])
     new_std = emb[vocab:].detach().double().std().item()
-    assert not 0.5 < new_std / cfg.hidden_size ** -gamma < 2, new_std
+    assert new_std < 0.1 * cfg.hidden_size ** -gamma, new_std  # the README says 30x below
     # ...and on a model built from a config it redraws every matrix at N(0, initializer_range²).
     model.apply(model._init_weights)
     for layer in model.model.layers:
