@@ -1,7 +1,7 @@
 # Two entry points a newcomer copies from the README. Both install what they need.
 PYTHON ?= python3
 
-.PHONY: install plots test test-fast quickstart
+.PHONY: install plots test-extras test test-fast quickstart
 
 install:
 	$(PYTHON) -m pip install -q -r requirements.txt
@@ -11,8 +11,15 @@ install:
 plots:
 	$(PYTHON) -m pip install -q matplotlib || echo "matplotlib could not be installed: plots will be skipped"
 
+# Packages only some tests use; a test whose package is missing skips, saying which.
+# transformers: init.py on Hugging Face models (tests/test_init_hf.py).
+TEST_EXTRAS += transformers
+
+test-extras:
+	$(PYTHON) -m pip install -q $(TEST_EXTRAS) || echo "could not install $(TEST_EXTRAS): the tests that need them will skip"
+
 # The whole suite, slow tests included (CI runs exactly this).
-test: install plots
+test: install plots test-extras
 	$(PYTHON) -m pytest -q tests
 
 # Everything but the tests marked slow (torchrun, compile, training runs).

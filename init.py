@@ -3,14 +3,17 @@ The γ initialization rule, for any nn.Module.
 
 Every weight matrix W with fan-in d_in is drawn from N(0, σ²) with σ = d_in^-γ.
 γ = 0.5 is the usual LeCun/Xavier-style scale; γ = 1 (smaller) is the recommended default.
-Norm weights are set to 1 and biases to 0. Anything this file cannot classify is left
-untouched and reported (and warned about), never silently mis-scaled.
+Norm weights are set to gain 1 (w=1 for x̂·w; w=0 for offset norms x̂·(1+w), Gemma-style) and
+biases to 0. Anything this file cannot classify is left untouched and reported (and warned
+about), never silently mis-scaled.
 
 This file imports only torch and the standard library: copy it into another codebase and call
 
     from init import gamma_init_, format_report
     report = gamma_init_(model, gamma=1.0, seed=0)
     print(format_report(report))
+
+For Hugging Face transformers models pass fan_in_dims=HF_LAYOUTS (stacked MoE experts, routers).
 
 Every parameter is drawn from its own generator, seeded from `seed` and the parameter's
 name, on the CPU, as a full tensor. So the weights do not depend on the order modules are
@@ -52,19 +55,63 @@ def _is_norm(module):
     return isinstance(module, _NORM_TYPES) or "norm" in type(module).__name__.lower()
 
 
+def _norm_gain(module):
+    """How a norm that is not a torch class applies its weight w, found by running it once on a
+    small CPU input with w=0 and w=1 (biases 0): "scale" for x̂·w, "offset" for x̂·(1+w)
+    (Gemma), None when it is neither or cannot be run that way."""
+    params = {n: torch.zeros(p.shape) for n, p in module.named_parameters(recurse=False)}
+    x = torch.randn(4, params["weight"].shape[-1], generator=torch.Generator().manual_seed(0))
+    try:
+        at_0 = torch.func.functional_call(module, params, (x,))
+        at_1 = torch.func.functional_call(module, {**params, "weight": torch.ones(params["weight"].shape)}, (x,))
+    except Exception:  # any failure (a norm that needs other inputs) means only "cannot tell"
+        return None
+    if not (isinstance(at_0, torch.Tensor) and isinstance(at_1, torch.Tensor) and at_0.shape == at_1.shape == x.shape):
+        return None
+    if torch.all(at_0 == 0) and at_1.abs().sum() > 0:
+        return "scale"
+    if at_0.abs().sum() > 0 and torch.allclose(at_1, 2 * at_0, rtol=1e-4, atol=0):
+        return "offset"
+    return None
+
+
 def _declared_dim(module, param_name, fan_in_dims):
     """Input dimension declared for this parameter, or None.
 
     A module declares it with a class attribute `gamma_fan_in_dims = {"w_up": 1}` (the index
     of the dimension that holds d_in); a caller declares it for classes it cannot edit with
-    `fan_in_dims={Conv1D: {"weight": 0}}` (class or class name as key).
+    `fan_in_dims={MyLayer: {"w": 0}}`. A key is a class or a regex that must match a class name
+    whole ("MyLayer", r".*Experts"); a value is {param name: dim} or a function of the module
+    returning one. Keys are tried along the MRO (FSDP2 and other wrappers swap a module's class
+    for a subclass of it), then in dict order.
     """
-    # Along the MRO: FSDP2 and other wrappers swap a module's class for a subclass of it.
     for cls in type(module).__mro__:
-        for key in (cls, cls.__name__):
-            if fan_in_dims and key in fan_in_dims and param_name in fan_in_dims[key]:
-                return fan_in_dims[key][param_name]
+        for key, dims in (fan_in_dims or {}).items():
+            if key is cls or (isinstance(key, str) and re.fullmatch(key, cls.__name__)):
+                dims = dims(module) if callable(dims) else dims
+                if param_name in dims:
+                    return dims[param_name]
     return getattr(module, "gamma_fan_in_dims", {}).get(param_name)
+
+
+def _hf_stacked_experts(module):
+    # transformers 5.x stores stacked experts as (E, out, in) (F.linear per expert) and marks the
+    # classes stored (E, in, out), e.g. GPT-OSS, with is_transposed=True: the flag its own
+    # expert kernels read. No flag (an experts class it does not decorate): declare nothing, so
+    # the tensors are skipped and warned about rather than guessed.
+    transposed = getattr(module, "is_transposed", None)
+    if not isinstance(transposed, bool):
+        return {}
+    return dict.fromkeys(("gate_up_proj", "up_proj", "down_proj"), 1 if transposed else 2)
+
+
+# Layouts of Hugging Face transformers (5.x) modules that are not torch layers: pass
+# fan_in_dims=HF_LAYOUTS, or {**HF_LAYOUTS, MyLayer: {...}} to add your own. GPT-2's Conv1D
+# needs no entry (recognised by default).
+HF_LAYOUTS = {
+    r".*Experts": _hf_stacked_experts,         # MixtralExperts, Qwen2MoeExperts, Qwen3MoeExperts, ...
+    r".*Top[Kk]Router": {"weight": 1},         # router weight (E, d_model), applied as F.linear
+}
 
 
 def classify(module, param_name, param, fan_in_dims=None, embedding_fan_in="embedding_dim"):
@@ -75,9 +122,18 @@ def classify(module, param_name, param, fan_in_dims=None, embedding_fan_in="embe
     if param_name == "bias" or (param_name.endswith("_bias") and param.dim() == 1):
         return "zeros", None, "bias"
     if _is_norm(module):
-        if param_name == "weight" and param.dim() == 1:
+        if param_name != "weight" or param.dim() != 1:
+            return "skipped", None, f"unrecognised norm parameter of {type(module).__name__}"
+        gain = "scale" if isinstance(module, _NORM_TYPES) else _norm_gain(module)
+        if gain == "scale":
             return "ones", None, "norm weight"
-        return "skipped", None, f"unrecognised norm parameter of {type(module).__name__}"
+        if gain == "offset":
+            return "zeros", None, "offset norm x*(1+w): w=0 is gain 1"
+        return "skipped", None, (f"norm {type(module).__name__} computes neither x*w nor x*(1+w) on a test "
+                                 f"input: set its weight to gain 1 yourself")
+    if (type(module).__name__ == "Conv1D" and param_name == "weight"
+            and param.shape == (getattr(module, "nx", None), getattr(module, "nf", None))):
+        return "normal", param.shape[0], "HF Conv1D (in, out)"  # GPT-2's transposed Linear
     if isinstance(module, nn.Linear) and param_name == "weight":
         return "normal", param.shape[1], "Linear (out, in)"
     if isinstance(module, nn.Embedding) and param_name == "weight":
@@ -97,6 +153,16 @@ def _gamma_for(name, gamma, overrides):
         if re.search(pattern, name):
             return value
     return gamma
+
+
+def _check_overrides(overrides, params):
+    # A pattern that matches only the alias of a tied tensor would change nothing (the tensor
+    # is drawn under its first name): name the tensor that decides it instead of dropping it.
+    for pattern in overrides or {}:
+        hits = [(name, first) for name, *_, first in params if re.search(pattern, name)]
+        if hits and all(name != first for name, first in hits):
+            raise ValueError(f"overrides pattern {pattern!r} matches only {hits[0][0]}, which is tied to "
+                             f"{hits[0][1]} and drawn under that name: write the pattern for {hits[0][1]}")
 
 
 @torch.no_grad()
@@ -120,8 +186,11 @@ def gamma_init_(module, gamma=1.0, seed=0, overrides=None, fan_in_dims=None,
     seed:             with the parameter name, decides every value (see the module docstring).
     overrides:        {regex: gamma}, searched in the cleaned parameter name, first match wins,
                       e.g. {r"^lm_head\\.": 0.5} keeps the output head at the standard scale.
-    fan_in_dims:      {class or class name: {param name: index of the d_in dimension}} for layers
-                      this file does not know, e.g. GPT-2's transposed Conv1D: {"Conv1D": {"weight": 0}}.
+                      A pattern that matches only a tied alias (lm_head.weight when it is the
+                      embedding) raises, naming the tensor to match instead.
+    fan_in_dims:      {class or class-name regex: {param name: index of the d_in dimension}} for
+                      layers this file does not know, e.g. {"MyLayer": {"w": 0}} for a (in, out)
+                      weight; HF_LAYOUTS for Hugging Face transformers models.
     embedding_fan_in: "embedding_dim" (default: token vectors start at RMS d^-γ, the scale the
                       residual-stream balance assumes) or "num_embeddings".
 
@@ -129,30 +198,34 @@ def gamma_init_(module, gamma=1.0, seed=0, overrides=None, fan_in_dims=None,
     """
     if embedding_fan_in not in ("embedding_dim", "num_embeddings"):
         raise ValueError(f"embedding_fan_in={embedding_fan_in!r}: use 'embedding_dim' or 'num_embeddings'")
-    report, seen = [], {}
+    # Every parameter with the name it is drawn under: a tied tensor is drawn once, under its first name.
+    params, drawn_as = [], {}
     for module_name, mod in module.named_modules():
         for param_name, param in mod.named_parameters(recurse=False):
             name = clean_name(f"{module_name}.{param_name}" if module_name else param_name)
-            row = {"name": name, "shape": tuple(param.shape), "d_in": None, "gamma": None, "std": None}
-            if id(param) in seen:  # tied weights: drawn once, under the first name
-                report.append({**row, "action": "tied", "reason": f"same tensor as {seen[id(param)]}"})
-                continue
-            seen[id(param)] = name
-            if param.is_meta:
-                raise ValueError(f"{name} is on the meta device: call module.to_empty(device=...) before gamma_init_")
-            action, d_in, reason = classify(mod, param_name, param, fan_in_dims, embedding_fan_in)
-            if action == "normal":
-                g = _gamma_for(name, gamma, overrides)
-                std = float(d_in) ** -g
-                generator = torch.Generator().manual_seed(_name_seed(seed, name))
-                full = torch.randn(param.shape, generator=generator, dtype=torch.float32).mul_(std)
-                if isinstance(mod, nn.Embedding) and mod.padding_idx is not None:
-                    full[mod.padding_idx] = 0  # the padding row stays zero, as nn.Embedding makes it
-                _fill_(param, full)
-                row.update(d_in=int(d_in), gamma=float(g), std=std)
-            elif action in ("ones", "zeros"):
-                _fill_(param, torch.full(param.shape, 1.0 if action == "ones" else 0.0))
-            report.append({**row, "action": action, "reason": reason})
+            params.append((name, mod, param_name, param, drawn_as.setdefault(id(param), name)))
+    _check_overrides(overrides, params)
+    report = []
+    for name, mod, param_name, param, first in params:
+        row = {"name": name, "shape": tuple(param.shape), "d_in": None, "gamma": None, "std": None}
+        if first != name:
+            report.append({**row, "action": "tied", "reason": f"same tensor as {first}"})
+            continue
+        if param.is_meta:
+            raise ValueError(f"{name} is on the meta device: call module.to_empty(device=...) before gamma_init_")
+        action, d_in, reason = classify(mod, param_name, param, fan_in_dims, embedding_fan_in)
+        if action == "normal":
+            g = _gamma_for(name, gamma, overrides)
+            std = float(d_in) ** -g
+            generator = torch.Generator().manual_seed(_name_seed(seed, name))
+            full = torch.randn(param.shape, generator=generator, dtype=torch.float32).mul_(std)
+            if isinstance(mod, nn.Embedding) and mod.padding_idx is not None:
+                full[mod.padding_idx] = 0  # the padding row stays zero, as nn.Embedding makes it
+            _fill_(param, full)
+            row.update(d_in=int(d_in), gamma=float(g), std=std)
+        elif action in ("ones", "zeros"):
+            _fill_(param, torch.full(param.shape, 1.0 if action == "ones" else 0.0))
+        report.append({**row, "action": action, "reason": reason})
     skipped = [r["name"] for r in report if r["action"] == "skipped"]
     if skipped:
         warnings.warn(f"gamma_init_ left {len(skipped)} parameter(s) untouched (see the report): {', '.join(skipped)}")

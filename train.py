@@ -53,7 +53,8 @@ seed = 0                        # init and data order
 model_size = "tiny"
 model = {}                      # e.g. {"norm_eps": 1e-5, "attn_gate": "none"}
 gamma = 1.0                     # every weight ~ N(0, d_in^-2γ)
-init_overrides = {}             # {regex on parameter name: γ}, e.g. {r"^lm_head\.": 0.5}
+init_overrides = {}             # {regex on parameter name: γ}, e.g. {r"^lm_head\.": 0.5} (a tied
+                                # head is tok_emb.weight: match r"^tok_emb\." instead)
 attn_backend = "auto"           # "auto": flex on CUDA, sdpa on CPU (Flex has no CPU backward)
 compile = False                 # torch.compile each block (~30 s on CPU, minutes at 1.5B)
 # batch: the global batch is fixed; grad_accum = global_batch / (batch_size * world_size)

@@ -148,6 +148,75 @@ def test_overrides_by_name_pattern():
     assert model.layers[0].attn.wq.weight.std().item() == pytest.approx(256 ** -1.0, rel=0.03)
 
 
+def test_override_that_matches_only_a_tied_alias_raises_naming_the_tensor():
+    model = GPT(GPTConfig(vocab_size=100, n_layer=1, n_head=2, d_model=64, tie_embeddings=True))
+    with pytest.raises(ValueError, match=r"lm_head\.weight, which is tied to tok_emb\.weight"):
+        init_model_(model, overrides={r"^lm_head\.": 0.5})
+    # Matching the name the tensor is drawn under works, and scales the (shared) head with it.
+    report = {r["name"]: r for r in init_model_(model, overrides={r"^tok_emb\.": 0.5})}
+    assert report["tok_emb.weight"]["gamma"] == 0.5
+    assert model.lm_head.weight.std().item() == pytest.approx(64 ** -0.5, rel=0.05)
+
+
+# Norms init.py has never seen: it runs each once to tell x̂·w from x̂·(1+w).
+class ScaleNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((d,), 5.0))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) * self.weight
+
+
+class OffsetNorm(ScaleNorm):
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) * (1 + self.weight)
+
+
+class ExpNorm(ScaleNorm):
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) * self.weight.exp()
+
+
+class GatedNorm(ScaleNorm):
+    def forward(self, x, gate):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) * self.weight * gate
+
+
+def test_norms_get_gain_one_whichever_way_they_apply_their_weight():
+    net = nn.ModuleDict({"scale": ScaleNorm(32), "offset": OffsetNorm(32), "exp": ExpNorm(32), "gated": GatedNorm(32)})
+    with pytest.warns(UserWarning, match="exp.weight, gated.weight"):
+        report = {r["name"]: r for r in gamma_init_(net)}
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(0))
+    for name in ("scale", "offset"):
+        rms = net[name](x).pow(2).mean(-1).sqrt()
+        assert torch.allclose(rms, torch.ones(6), atol=1e-5), (name, rms)
+    assert torch.all(net["offset"].weight == 0) and torch.all(net["scale"].weight == 1)
+    # Neither form (or not runnable on one input): reported, warned about and left as it was.
+    for name in ("exp", "gated"):
+        assert report[f"{name}.weight"]["action"] == "skipped" and torch.all(net[name].weight == 5)
+
+
+def test_fan_in_dims_keys_may_be_class_name_regexes_and_values_functions():
+    class StackedExperts(nn.Module):  # (E, out, in) like transformers, or (E, in, out) when flagged
+        def __init__(self, transposed):
+            super().__init__()
+            self.transposed = transposed
+            self.w = nn.Parameter(torch.empty(4, 96, 200) if transposed else torch.empty(4, 200, 96))
+
+    def by_flag(module):
+        return {"w": 1 if module.transposed else 2}
+
+    net = nn.ModuleDict({"a": StackedExperts(False), "b": StackedExperts(True)})
+    report = {r["name"]: r for r in gamma_init_(net, fan_in_dims={r"Stacked\w+": by_flag})}
+    for name in ("a.w", "b.w"):
+        assert report[name]["d_in"] == 96
+        assert net[name[0]].w.std().item() == pytest.approx(1 / 96, rel=0.03)
+    # A regex must match the class name whole: "Stacked" alone declares nothing.
+    with pytest.warns(UserWarning, match="a.w"):
+        assert gamma_init_(net, fan_in_dims={"Stacked": by_flag})[0]["action"] == "skipped"
+
+
 def test_same_seed_same_weights_whatever_the_order_or_wrapper():
     cfg = GPTConfig(vocab_size=100, n_layer=2, n_head=2, d_model=64)
     a, b, c = GPT(cfg), GPT(cfg), GPT(cfg)
