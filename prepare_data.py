@@ -34,6 +34,7 @@ import json
 import math
 import multiprocessing
 import os
+import platform
 import shlex
 import shutil
 import struct
@@ -162,6 +163,18 @@ def get_tokenizer(name, tokenizer_dir=None):
                          f"--tokenizer-dir DIR holding {sets or 'its published files'}") from None
 
 
+def cpu_name():
+    """The CPU model ("Intel(R) Xeon(R) ..."), for result rows and the cached matmul peak."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def usable_cores():
     # The cores this process may run on (a container's or taskset's share); macOS has no
     # sched_getaffinity, so there it is every core.
@@ -184,10 +197,15 @@ def atomic_open(path):
     path. The one way this repo writes a file that a reader or a resumed run relies on."""
     path = os.fspath(path)
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        yield f
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:  # a full disk, a kill signal turned exception: no .tmp left behind
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     os.replace(tmp, path)
 
 
@@ -227,12 +245,17 @@ def npy_bytes(array):
 
 
 def write_shard(path, tokens, docs, mask=None):
-    """tokens: uint16|uint32 array; docs: int64 (n_docs, 2) of (start, source); mask: uint8 or None."""
+    """tokens: uint16|uint32 array; docs: int64 (n_docs, 2) of (start, source); mask: uint8 or None.
+    Returns the file's sha256 (meta.json keeps it: the data's fingerprint for resumed runs)."""
     header = HEADER.pack(MAGIC, FORMAT_VERSION, tokens.dtype.itemsize, len(tokens), len(docs), mask is not None)
     chunks = [header.ljust(HEADER_BYTES, b"\0"), np.ascontiguousarray(docs, np.int64).tobytes(), tokens.tobytes()]
     if mask is not None:
         chunks.append(np.ascontiguousarray(mask, np.uint8).tobytes())
     atomic_write_bytes(path, chunks)
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        digest.update(chunk)
+    return digest.hexdigest()
 
 
 @dataclass
@@ -275,7 +298,7 @@ class ShardWriter:
         self.out_dir, self.split, self.dtype, self.shard_tokens = out_dir, split, dtype, shard_tokens
         self.with_mask = with_mask
         self.tokens, self.masks, self.docs, self.filled = [], [], [], 0
-        self.shards = []  # (file name, n_tokens)
+        self.shards = []  # (file name, n_tokens, max token id, sha256)
 
     def add(self, tokens, source, mask=None):
         while len(tokens):
@@ -296,14 +319,17 @@ class ShardWriter:
         name = f"{self.split}_{len(self.shards):06d}.bin"
         tokens = np.concatenate(self.tokens).astype(self.dtype, copy=False)
         mask = np.concatenate(self.masks) if self.with_mask else None
-        write_shard(os.path.join(self.out_dir, name), tokens, np.array(self.docs, np.int64).reshape(-1, 2), mask)
-        self.shards.append((name, self.filled))
+        sha = write_shard(os.path.join(self.out_dir, name), tokens, np.array(self.docs, np.int64).reshape(-1, 2), mask)
+        self.shards.append((name, self.filled, int(tokens.max()), sha))
         self.tokens, self.masks, self.docs, self.filled = [], [], [], 0
 
     def close(self):
         self.flush()
-        return {"shards": [n for n, _ in self.shards], "shard_tokens": [t for _, t in self.shards],
-                "tokens": sum(t for _, t in self.shards)}
+        names, counts, max_ids, shas = (list(c) for c in zip(*self.shards)) if self.shards else ([], [], [], [])
+        # The largest id per shard is checked against the model's vocab when training starts (an
+        # id past it would crash only when sampled); the sha256s fingerprint the data.
+        return {"shards": names, "shard_tokens": counts, "tokens": sum(counts), "shard_max_id": max_ids,
+                "shard_sha256": shas}
 
 
 def clear_outputs(out_dir):
@@ -345,6 +371,38 @@ def check_model_vocab(meta, vocab_size, tokenizer=None):
     if vocab_size < meta["vocab_size"]:
         raise ValueError(f"model vocab_size={vocab_size} is smaller than the data's vocab "
                          f"({meta['tokenizer']}, {meta['vocab_size']} ids); set vocab_size >= {meta['vocab_size']}")
+
+
+def split_shards(data_dir, meta):
+    """(split, shard path, index in the split) of every shard, in meta order."""
+    return [(split, os.path.join(data_dir, name), i) for split, info in meta["splits"].items()
+            for i, name in enumerate(info["shards"])]
+
+
+def check_token_ids(data_dir, meta, vocab_size):
+    """Every token id in every shard is < vocab_size: from the max ids meta.json stores, or read
+    from the shards of folders written before it stored them."""
+    for split, path, i in split_shards(data_dir, meta):
+        stored = meta["splits"][split].get("shard_max_id")
+        top = stored[i] if stored else int(np.max(read_shard(path).tokens, initial=0))
+        if top >= vocab_size:
+            raise ValueError(f"{path} holds token id {top} >= the model's vocab_size {vocab_size}: the shard is "
+                             f"corrupt or was made with another tokenizer; re-run prepare_data.py")
+
+
+def data_fingerprint(data_dir, meta):
+    """sha256 over every shard's sha256 (stored by prepare_data.py; hashed from the files for
+    folders written before it stored them): equal iff the token data is the same."""
+    digest = hashlib.sha256()
+    for split, path, i in split_shards(data_dir, meta):
+        stored = meta["splits"][split].get("shard_sha256")
+        if stored:
+            sha = stored[i]
+        else:
+            with open(path, "rb") as f:
+                sha = hashlib.file_digest(f, "sha256").hexdigest()
+        digest.update(f"{split}/{os.path.basename(path)}:{sha}\n".encode())
+    return digest.hexdigest()
 
 
 # -----------------------------------------------------------------------------

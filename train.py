@@ -20,6 +20,8 @@ import ast
 import builtins
 import copy
 import difflib
+import errno
+import fcntl
 import glob
 import json
 import math
@@ -27,27 +29,34 @@ import os
 import re
 import resource
 import shutil
+import socket
 import sys
 import time
+import traceback
 import warnings
 from dataclasses import asdict, fields
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from init import format_report
 from model import ATTN_BACKENDS, GPT, GPTConfig, config_for, cosine_stats, init_model_, row_cosines, stable_rank
-from prepare_data import TokenLoader, atomic_open, atomic_write_bytes, check_model_vocab, read_json, write_json
+from prepare_data import (TokenLoader, atomic_open, atomic_write_bytes, check_model_vocab, check_token_ids, cpu_name,
+                          data_fingerprint, read_json, write_json)
 
 # ----------------------------------------------------------------------------- defaults
 # run folder and data
 out_dir = "out/run"
 data_dir = "data/bytes"         # a prepare_data.py output folder
 resume = True                   # continue from the newest complete checkpoint in out_dir
+# A resumed run must be the same experiment: a changed gamma, seed, data, schedule... is an
+# error naming each change, unless this is True (the changes are then logged in metrics.jsonl).
+allow_resume_changes = False
 seed = 0                        # init and data order
 # model: a named size from model.SIZES plus GPTConfig fields over it
 model_size = "tiny"
@@ -84,7 +93,7 @@ keep_every = 0                  # ... plus every keep_every-th step forever (0: 
 # ... plus these steps, saved and kept whatever the interval: the "condense then expand"
 # trajectory (eval.py weights) happens early, e.g. [0, 100, 300, 1000, 3000]; 0 is the init.
 keep_steps = []
-peak_flops = 0.0                # per device for MFU; 0: 989e12 on H100/H200, else not reported
+peak_flops = 0.0                # per device for MFU; 0: 989e12 on H100/H200, a measured fp32 peak on CPU
 dry_run = 0                     # N > 0: print the plan for N ranks and exit (no data, no GPU)
 debug_nan_step = 0              # test knob: poison the loss at this step (0: never)
 # -----------------------------------------------------------------------------
@@ -103,8 +112,17 @@ def _check_type(key, value, default):
     return value
 
 
+# Names other training scripts (nanoGPT, HF Trainer) use for settings that are spelled
+# differently here: difflib can't see that learning_rate is lr.
+ALIASES = {"learning_rate": "lr", "max_iters": "max_steps", "warmup_iters": "warmup_steps", "block_size": "seq_len",
+           "batch": "batch_size", "micro_batch_size": "batch_size", "gradient_accumulation_steps": "global_batch",
+           "wd": "weight_decay", "eps": "adam_eps", "beta1": "betas", "beta2": "betas", "grad_norm_clip": "grad_clip",
+           "eval_iters": "eval_batches", "n_layer": "model.n_layer", "n_head": "model.n_head",
+           "n_embd": "model.d_model", "d_model": "model.d_model", "init_std": "gamma"}
+
+
 def _unknown(key, valid, where):
-    close = difflib.get_close_matches(key, list(valid), n=1)
+    close = [ALIASES[key]] if key in ALIASES else difflib.get_close_matches(key, list(valid), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return ValueError(f"config: unknown key {key!r} in {where}{hint}")
 
@@ -168,9 +186,23 @@ def load_config(argv):
 
 def _run_file(path, ns):
     """Execute a config file in ns. Config files share settings by include("other.py"),
-    resolved beside the includer. (builtins.compile: the setting `compile` shadows the name.)"""
+    resolved beside the includer. (builtins.compile: the setting `compile` shadows the name.)
+    A broken file is one line naming the file and line, not the traceback of exec."""
+    if not os.path.isfile(path):
+        raise ValueError(f"config: no such config file {path!r} (include() resolves names beside the including file)")
     with open(path) as f:
-        exec(builtins.compile(f.read(), path, "exec"), ns)
+        text = f.read()
+    try:
+        code = builtins.compile(text, path, "exec")
+    except SyntaxError as e:
+        raise ValueError(f"config: {path}:{e.lineno}: syntax error: {e.msg}") from None
+    try:
+        exec(code, ns)
+    except Exception as e:
+        if str(e).startswith("config: "):
+            raise  # an include() of a missing or broken file: already one line naming it
+        line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), "?")
+        raise ValueError(f"config: {path}:{line}: {type(e).__name__}: {e}") from None
 
 
 def validate(cfg):
@@ -182,9 +214,11 @@ def validate(cfg):
                 "eval_interval", "eval_batches", "ckpt_interval", "keep_last"):
         if cfg[key] < 1:
             raise ValueError(f"config: {key}={cfg[key]} must be >= 1")
-    for key in ("warmup_steps", "keep_every", "dry_run", "peak_flops", "grad_clip", "adam_eps"):
+    for key in ("warmup_steps", "keep_every", "dry_run", "peak_flops", "grad_clip"):
         if cfg[key] < 0:
             raise ValueError(f"config: {key}={cfg[key]} must be >= 0")
+    if not cfg["adam_eps"] > 0:  # 0: a parameter whose gradient is 0 gets the update 0/0 = NaN
+        raise ValueError(f"config: adam_eps={cfg['adam_eps']} must be > 0 (e.g. 1e-8)")
     if not all(type(s) is int and 0 <= s <= cfg["max_steps"] for s in cfg["keep_steps"]):
         raise ValueError(f"config: keep_steps={cfg['keep_steps']} must be whole steps between 0 and max_steps")
     if not cfg["warmup_steps"] < cfg["max_steps"]:
@@ -302,13 +336,109 @@ def make_optimizer(net, cfg, device):
 RUNTIME_MODEL_FIELDS = {"attn_backend", "activation_checkpointing", "moe_impl"}
 
 
+class RunDirError(Exception):
+    """The run folder can't be used as asked: locked by another run, or a resume that would
+    change the experiment. One line naming the problem and the fix."""
+
+
+def checkpoint_problem(path):
+    """None if the checkpoint folder is complete, else what is wrong with it. Complete means
+    meta.json and DCP's .metadata parse, every byte range .metadata names is on disk, and each
+    rank that saved left its rng file: a folder pruned or copied halfway fails one of these."""
+    try:
+        meta = read_json(os.path.join(path, "meta.json"))
+    except FileNotFoundError:
+        return "no meta.json"
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"meta.json is not valid JSON ({e})"
+    try:
+        index = dcp.FileSystemReader(path).read_metadata()
+    except FileNotFoundError:
+        return "no .metadata (DCP's index)"
+    except Exception as e:  # a truncated or foreign pickle: any unpickling error
+        return f".metadata is unreadable ({type(e).__name__})"
+    needed = {}
+    for item in index.storage_data.values():
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{name} is missing"
+        if os.path.getsize(file) < size:
+            return f"{name} is truncated ({os.path.getsize(file)} of {size} bytes)"
+    for r in range(meta.get("world_size", 1)):
+        if not os.path.isfile(os.path.join(path, f"rng_rank{r}.pt")):
+            return f"rng_rank{r}.pt is missing"
+    return None
+
+
+def scan_checkpoints(run_dir):
+    """(complete, damaged): a run's complete ckpt_* folders oldest first, and [(path, problem)]
+    for the others. A run killed while saving leaves a tmp_ folder and one killed while pruning
+    a deleting_ folder, never a ckpt_ one; damage after that (a disk error, a partial copy) is
+    caught by checkpoint_problem."""
+    complete, damaged = [], []
+    for path in sorted(glob.glob(os.path.join(run_dir, "ckpt_*"))):
+        problem = checkpoint_problem(path)
+        if problem:
+            damaged.append((path, problem))
+        else:
+            complete.append(path)
+    return complete, damaged
+
+
 def complete_checkpoints(run_dir):
-    """A run's complete checkpoints, oldest first (train.py resumes from the last). Only renamed
-    folders holding DCP's index and train.py's meta.json count: a run killed while saving
-    leaves a tmp_ folder, never a ckpt_ folder, and a filesystem whose rename is a copy (FUSE
-    object stores) can't pass off a partial one."""
-    found = glob.glob(os.path.join(run_dir, "ckpt_*", "meta.json"))
-    return sorted(os.path.dirname(p) for p in found if os.path.exists(os.path.join(os.path.dirname(p), ".metadata")))
+    return scan_checkpoints(run_dir)[0]
+
+
+def prune_checkpoint(path):
+    """Delete a checkpoint so that a kill at any moment leaves no half-deleted ckpt_ folder:
+    renamed out of the ckpt_* namespace first (atomic), then removed; train.py clears leftover
+    deleting_ folders at start."""
+    trash = os.path.join(os.path.dirname(path), "deleting_" + os.path.basename(path))
+    os.rename(path, trash)
+    shutil.rmtree(trash)
+
+
+def clear_leftovers(run_dir):
+    """tmp_ckpt_* (killed while saving) and deleting_ckpt_* (killed while pruning). Only ever
+    called under the run folder's lock: another run's tmp_ folder is its checkpoint in progress."""
+    for stale in glob.glob(os.path.join(run_dir, "tmp_ckpt_*")) + glob.glob(os.path.join(run_dir, "deleting_ckpt_*")):
+        shutil.rmtree(stale)
+
+
+def lock_run_dir(run_dir):
+    """An exclusive OS lock on run_dir/train.lock, held for the life of this process and released
+    by the kernel when it dies (no stale lock after a crash or SIGKILL). The file says who holds
+    it, for the error a second launch gets."""
+    path = os.path.join(run_dir, "train.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 512).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise RunDirError(f"{run_dir} is in use by {holder}: wait for that run to end (or stop it), "
+                          f"or choose another out_dir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"train.py pid {os.getpid()} on host {socket.gethostname()} "
+                 f"(since {time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode())
+    return fd
+
+
+def all_finite(net, opt):
+    """True on every rank iff every parameter and optimizer-state tensor is finite: one fused
+    max-abs per tensor list (local shards), one all-reduce. A NaN written by an update whose loss
+    and gradient were finite (e.g. 0/0 in Adam) would otherwise be checkpointed as good."""
+    local = [t.to_local() if isinstance(t, DTensor) else t
+             for t in [*net.parameters(), *(v for st in opt.state.values() for v in st.values())]
+             if torch.is_tensor(t) and t.is_floating_point()]
+    local = [t.detach() for t in local if t.numel()]
+    bad = torch.zeros((), device=next(net.parameters()).device)
+    if local:
+        bad = (~torch.stack(torch._foreach_norm(local, ord=float("inf"))).isfinite()).any().float()
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return not bad.item()
 
 
 def check_resumable(path, mcfg):
@@ -324,28 +454,85 @@ def check_resumable(path, mcfg):
                          f"or choose another out_dir")
 
 
-def save_checkpoint(cfg, step, net, opt, loader, meta):
+# Settings that define the experiment (with the model, which check_resumable compares): resumed
+# with another value, a run would become a different arm under the old one's name.
+EXPERIMENT_KEYS = ("gamma", "init_overrides", "seed", "global_batch", "seq_len", "lr", "betas", "adam_eps",
+                   "weight_decay", "grad_clip", "schedule", "warmup_steps", "max_steps", "min_lr_ratio", "decay_frac")
+
+
+def experiment_changes(saved_meta, cfg, data_fp):
+    """{setting: {"was", "now"}} between a checkpoint and this run. Data is compared by content
+    (prepare_data.data_fingerprint), so a refilled folder of the same size is caught; checkpoints
+    written before fingerprints existed are compared on settings only."""
+    was, now = saved_meta["config"], json.loads(json.dumps(cfg))  # as saved: tuples are lists
+    changes = {k: {"was": was.get(k), "now": now[k]} for k in EXPERIMENT_KEYS if was.get(k) != now[k]}
+    if saved_meta.get("data_fingerprint") not in (None, data_fp):
+        changes["data"] = {"was": saved_meta["data_fingerprint"][:12], "now": data_fp[:12]}
+    return changes
+
+
+def describe_changes(changes):
+    return "; ".join(f"{k} {v['was']!r} there, {v['now']!r} now" for k, v in changes.items())
+
+
+def save_checkpoint(cfg, step, net, opt, loader, meta, last_good):
+    """Write ckpt_{step} (as tmp_, renamed when whole) and prune old ones. Refuses to save
+    non-finite weights or optimizer state; a full disk is one line, the partial folder removed."""
+    if not all_finite(net, opt):
+        raise FloatingPointError(f"step {step}: parameters or optimizer state are not finite (NaN/Inf); not saved. "
+                                 f"Last good checkpoint: {last_good or 'none'} (intact). Resume from it with a lower "
+                                 f"lr, longer warmup or tighter grad_clip.")
     rank = dist.get_rank()
     name = f"ckpt_{step:08d}"
     tmp, final = os.path.join(cfg["out_dir"], "tmp_" + name), os.path.join(cfg["out_dir"], name)
-    model_sd, optim_sd = get_state_dict(net, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
-    # RNG streams differ per rank, so they can't be DCP entries (which are deduplicated).
-    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-    with atomic_open(os.path.join(tmp, f"rng_rank{rank}.pt")) as f:
-        torch.save(rng, f)
-    dist.barrier()  # every rank's shards are on disk before the folder becomes visible
+    try:
+        model_sd, optim_sd = get_state_dict(net, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+        # RNG streams differ per rank, so they can't be DCP entries (which are deduplicated).
+        rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+        with atomic_open(os.path.join(tmp, f"rng_rank{rank}.pt")) as f:
+            torch.save(rng, f)
+        dist.barrier()  # every rank's shards are on disk before the folder becomes visible
+        if rank == 0:
+            write_json(os.path.join(tmp, "meta.json"), {
+                **meta, "step": step, "world_size": dist.get_world_size(), "data_state": loader.state_dict()})
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        if not disk_full(e, cfg["out_dir"], local_state_bytes(net, opt)):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(errno.ENOSPC, f"no space left on device while saving {tmp} "
+                      f"({shutil.disk_usage(cfg['out_dir']).free:,} bytes free): not saved, its partial folder "
+                      f"removed; {last_good or 'no earlier checkpoint'} is intact. Free space and resume") from None
     if rank == 0:
-        write_json(os.path.join(tmp, "meta.json"), {
-            **meta, "step": step, "world_size": dist.get_world_size(), "data_state": loader.state_dict()})
+        if os.path.exists(final):  # a damaged one that resume fell back from: replaced
+            prune_checkpoint(final)
         os.rename(tmp, final)
         done = complete_checkpoints(cfg["out_dir"])
         for old in done[:-cfg["keep_last"]]:
             old_step = int(os.path.basename(old)[5:])
             if not (cfg["keep_every"] and old_step % cfg["keep_every"] == 0) and old_step not in cfg["keep_steps"]:
-                shutil.rmtree(old)
+                prune_checkpoint(old)
     dist.barrier()
     return final
+
+
+def local_state_bytes(net, opt):
+    """Bytes of this rank's parameters and optimizer state: about what its checkpoint shard needs."""
+    tensors = [*net.parameters(), *(v for st in opt.state.values() for v in st.values() if torch.is_tensor(v))]
+    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
+
+
+def disk_full(error, folder, need_bytes):
+    """Whether an exception from a save is the disk filling up. torch.save's writer loses the
+    errno ("unexpected pos 704 vs 598"), so besides ENOSPC anywhere down the exception chain,
+    less free space than one checkpoint needs counts as full."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        error = error.__cause__ or error.__context__
+    return shutil.disk_usage(folder).free < need_bytes
 
 
 def load_checkpoint(path, net, opt, loader, cfg_weight_decay):
@@ -362,7 +549,7 @@ def load_checkpoint(path, net, opt, loader, cfg_weight_decay):
         raise ValueError(f"resume from {path}: {e}") from None
     rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
     if meta["world_size"] == dist.get_world_size():
-        rng = torch.load(rng_file, weights_only=False)
+        rng = torch.load(rng_file, weights_only=True)  # tensors only: a crafted pickle can't run code
         torch.set_rng_state(rng["cpu"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
@@ -370,16 +557,29 @@ def load_checkpoint(path, net, opt, loader, cfg_weight_decay):
 
 
 def find_checkpoints(path):
-    """Checkpoint paths in a run folder (complete ckpt_* folders, step order), or [path]."""
-    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "meta.json")):
-        found = complete_checkpoints(path)
-        if not found:
-            raise ValueError(f"{path}: no ckpt_*/meta.json inside; pass a .pt export, a checkpoint "
-                             "folder or a run folder written by train.py")
-        return found
+    """Checkpoint paths in a run folder (complete ckpt_* folders, step order), or [path] for a
+    complete checkpoint folder or a file. Anything else is a one-line error saying what it is."""
     if not (os.path.isfile(path) or os.path.isdir(path)):
         raise FileNotFoundError(f"{path}: no such checkpoint file or folder")
-    return [path]
+    if os.path.isfile(path):
+        return [path]
+    if glob.glob(os.path.join(path, "*_000000.bin")):  # prepare_data.py's first shard of a split
+        raise ValueError(f"{path} is a data folder (prepare_data.py output), not a checkpoint: pass a run folder, "
+                         f"a ckpt_* folder or a .pt export")
+    if os.path.exists(os.path.join(path, "meta.json")) or os.path.exists(os.path.join(path, ".metadata")):
+        problem = checkpoint_problem(path)
+        if problem:
+            others = complete_checkpoints(os.path.dirname(os.path.abspath(path)))
+            hint = f"complete ones beside it: {', '.join(os.path.basename(o) for o in others)}" if others else \
+                "pass another checkpoint"
+            raise ValueError(f"{path}: damaged or half-written checkpoint ({problem}); {hint}")
+        return [path]
+    found, damaged = scan_checkpoints(path)
+    if not found:
+        what = f"only damaged checkpoints ({damaged[-1][0]}: {damaged[-1][1]})" if damaged else "no ckpt_* folders"
+        raise ValueError(f"{path}: {what}; pass a .pt export, a complete checkpoint folder or a run folder "
+                         "written by train.py")
+    return found
 
 
 def load_model(path, device="cpu", attn_backend=None):
@@ -387,8 +587,12 @@ def load_model(path, device="cpu", attn_backend=None):
     the checkpoint's model_config, config, step and data_meta."""
     path = find_checkpoints(path)[-1]
     if os.path.isfile(path):
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-        if "model" not in blob or "model_config" not in blob:
+        try:
+            blob = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # random bytes, a truncated zip, a pickle with code in it
+            raise ValueError(f"{path}: not a readable torch file ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+                             "pass a .pt made by `python train.py export`, or a checkpoint folder") from None
+        if not isinstance(blob, dict) or "model" not in blob or "model_config" not in blob:
             raise ValueError(f"{path}: not a smallinit export (needs 'model' and 'model_config'); "
                              "make one with `python train.py export <ckpt_dir> <file.pt>`")
         info = {k: v for k, v in blob.items() if k != "model"}
@@ -408,7 +612,11 @@ def load_model(path, device="cpu", attn_backend=None):
         # warning that would only confuse here.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.load({"model": net.state_dict()}, checkpoint_id=path)
+            try:
+                dcp.load({"model": net.state_dict()}, checkpoint_id=path)
+            except (Exception, CheckpointException) as e:  # bytes damaged in place: the sizes were right, the contents not
+                raise ValueError(f"{path}: its weights could not be read ({type(e).__name__}); the checkpoint is "
+                                 f"damaged: pass another one") from None
     if attn_backend or (net.cfg.attn_backend == "flex" and not str(device).startswith("cuda")):
         # Flex kernels are CUDA-only here; sdpa shares its mask definition (model.py).
         net.set_attn_backend(attn_backend or "sdpa")
@@ -458,25 +666,49 @@ def memory_estimate(net, mcfg, cfg, world, accum):
 
 
 def matmul_peak(cfg, device):
-    """Peak FLOP/s of one device for MFU: peak_flops if set; H100/H200 bf16 dense from the
-    datasheet; on CPU the fp32 matmul rate measured here (what this CPU's matmuls reach now,
-    so MFU says how much of it the model uses). 0: unknown, MFU not reported."""
+    """(peak FLOP/s of one device for MFU, where it came from): peak_flops if set; H100/H200 bf16
+    dense from the datasheet; on CPU the best fp32 matmul rate this machine has shown (see
+    cpu_matmul_peak). 0: unknown, MFU not reported."""
     if cfg["peak_flops"]:
-        return cfg["peak_flops"]
+        return cfg["peak_flops"], "peak_flops setting"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         if "H100" in name and "PCIe" in name:
-            return 756e12
+            return 756e12, f"{name} datasheet"
         if "H100" in name and "NVL" in name:
-            return 835e12
-        return 989e12 if re.search(r"H100|H200", name) else 0.0  # SXM parts
-    a = torch.randn(512, 512)
+            return 835e12, f"{name} datasheet"
+        return (989e12, f"{name} datasheet") if re.search(r"H100|H200", name) else (0.0, name)  # SXM parts
+    return cpu_matmul_peak()
+
+
+def cpu_matmul_peak(size=1024, trials=5, seconds=0.1):
+    """The fp32 matmul rate of this CPU at this thread count: the best of several timed trials
+    now, and the best ever seen here (cached per CPU model and thread count), whichever is
+    higher. A single short timing reads low whenever a neighbour is busy, which inflates MFU;
+    the machine's best is what its matmuls can reach. A local generator: drawing the operands
+    must not move the global RNG that a resumed run has just restored."""
+    a = torch.randn(size, size, generator=torch.Generator().manual_seed(0))
     a @ a  # warm-up
-    start, n = time.perf_counter(), 0
-    while time.perf_counter() - start < 0.2:
-        a @ a
-        n += 1
-    return 2 * 512**3 * n / (time.perf_counter() - start)
+    now = 0.0
+    for _ in range(trials):
+        start, n = time.perf_counter(), 0
+        while time.perf_counter() - start < seconds:
+            a @ a
+            n += 1
+        now = max(now, 2 * size**3 * n / (time.perf_counter() - start))
+    key = f"{cpu_name()} x{torch.get_num_threads()} threads"
+    path = os.path.join(os.environ.get("SMALLINIT_CACHE", os.path.expanduser("~/.cache/smallinit")), "cpu_peak.json")
+    try:
+        cache = read_json(path)
+    except (OSError, ValueError):
+        cache = {}
+    best = max(now, cache.get(key, 0.0))
+    if best > cache.get(key, 0.0):
+        try:
+            write_json(path, {**cache, key: best})
+        except OSError:
+            pass  # a read-only home: the peak of this run is still measured
+    return best, f"{key}: best seen on this machine, {now / 1e12:.3g} TFLOP/s measured now"
 
 
 @torch.no_grad()
@@ -563,20 +795,36 @@ def train(cfg):
     data_meta = loader.meta
     try:
         check_model_vocab(data_meta, mcfg.vocab_size)
+        check_token_ids(cfg["data_dir"], data_meta, mcfg.vocab_size)  # a bad id would crash mid-run (a device assert on CUDA)
     except ValueError as e:
         raise ValueError(f"data: {e}") from None
+    data_fp = data_fingerprint(cfg["data_dir"], data_meta)
     if mcfg.doc_mask and mcfg.eot_id != data_meta["eot_id"]:
         raise ValueError(f"config: model.eot_id={mcfg.eot_id} but {cfg['data_dir']} ends documents with "
                          f"{data_meta['eot_id']}: set --model.eot_id={data_meta['eot_id']}")
     out = cfg["out_dir"]
-    # Rank 0 lists the checkpoints and tells the others: on a shared filesystem another node's
-    # stale directory cache could otherwise pick a different one (or none) and hang the job.
-    listing = [complete_checkpoints(out) if rank == 0 else None]
-    dist.broadcast_object_list(listing, src=0)
-    done = listing[0]
-    if done and not cfg["resume"]:
-        raise ValueError(f"{out} already holds checkpoints ({os.path.basename(done[-1])}); "
-                         f"pass --resume=True or choose another out_dir")
+    # Rank 0 takes the run folder's lock, clears what killed runs left, and lists the checkpoints;
+    # then it tells the others: on a shared filesystem another node's stale directory cache could
+    # otherwise pick a different checkpoint (or none) and hang the job. Multi-node: out_dir must be
+    # on a filesystem every node sees (rank 0 renames).
+    found = [None, [], []]
+    if rank == 0:
+        try:
+            os.makedirs(out, exist_ok=True)
+            lock = lock_run_dir(out)  # noqa: F841 (held until the process exits)
+            clear_leftovers(out)
+            found = [None, *scan_checkpoints(out)]
+        except RunDirError as e:
+            found = [str(e), [], []]
+    dist.broadcast_object_list(found, src=0)
+    problem, done, damaged = found
+    if problem:
+        raise RunDirError(problem)
+    if (done or damaged) and not cfg["resume"]:
+        newest = os.path.basename((done or [p for p, _ in damaged])[-1])
+        raise RunDirError(f"{out} already holds checkpoints ({newest}); pass --resume=True or choose another out_dir")
+    for path, why in damaged:
+        log0(f"{path} is damaged ({why}): not used")
     net, init_report = build_model(cfg, mcfg, device)
     opt = make_optimizer(net, cfg, device)
     names = dict(net.named_parameters())
@@ -586,29 +834,51 @@ def train(cfg):
     for n in track:
         if n not in names:
             raise _unknown(n, names, "track_weights")
-    step = 0
-    if rank == 0:  # multi-node: out_dir must be on a filesystem every node sees (rank 0 renames)
-        os.makedirs(out, exist_ok=True)
-        for stale in glob.glob(os.path.join(out, "tmp_ckpt_*")):
-            shutil.rmtree(stale)  # left by a run killed while saving
-    dist.barrier()
-    if done:
-        check_resumable(done[-1], mcfg)
-        meta = load_checkpoint(done[-1], net, opt, loader, cfg["weight_decay"])
-        step = meta["step"]
-        log0(f"resumed from {done[-1]} at step {step}")
+    step, resumed, changes = 0, None, {}
+    for path in reversed(done):  # newest first; one that fails to load falls back to the one before
+        meta = read_json(os.path.join(path, "meta.json"))
+        check_resumable(path, mcfg)
+        changes = experiment_changes(meta, cfg, data_fp)
+        if changes and not cfg["allow_resume_changes"]:
+            raise RunDirError(f"{out} was trained with other settings ({describe_changes(changes)}): resume with "
+                              f"the run's settings, choose another out_dir, or pass --allow_resume_changes=True "
+                              f"(the changes are recorded in metrics.jsonl)")
+        why = None
+        try:
+            load_checkpoint(path, net, opt, loader, cfg["weight_decay"])
+        except ValueError:
+            raise  # the data no longer fits the checkpoint: the user's to fix, not damage
+        except (Exception, CheckpointException) as e:  # unreadable bytes: DCP raises a BaseException
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ok = torch.tensor(why is None, device=device, dtype=torch.float32)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank falls back together
+        if ok.item() and not all_finite(net, opt):
+            why = "its parameters or optimizer state are not finite"
+        elif not ok.item():
+            why = why or "another rank could not load it"
+        if why is None:
+            step, resumed = meta["step"], path
+            break
+        log0(f"{path} could not be resumed ({why}): falling back to the previous checkpoint")
+    if done and resumed is None:
+        raise RunDirError(f"no checkpoint in {out} could be resumed (see above): move them away to start over, "
+                          f"or choose another out_dir")
+    if resumed:
+        log0(f"resumed from {resumed} at step {step}")
         if meta["world_size"] != world:
             log0(f"world size {meta['world_size']} -> {world}: DCP resharded model and optimizer; the "
                  f"data order is unchanged (global batches), grad_accum is now {accum}, per-rank RNG "
                  f"streams restart from seed, and float reductions run in a different order")
-    meta_common = {"config": cfg, "model_config": asdict(mcfg), "data_meta": data_meta}
+        if changes:
+            log0(f"resuming with changed settings (allow_resume_changes): {describe_changes(changes)}")
+    meta_common = {"config": cfg, "model_config": asdict(mcfg), "data_meta": data_meta, "data_fingerprint": data_fp}
     metrics_path = os.path.join(out, "metrics.jsonl")
     if rank == 0:
         log0(json.dumps(cfg, indent=1))
         write_json(os.path.join(out, "config.json"), cfg)
         if step == 0:
             log0(format_report(init_report))
-        truncate_metrics(metrics_path, step if done else -1)  # no checkpoint: everything is redone
+        truncate_metrics(metrics_path, step if resumed else -1)  # no checkpoint: everything is redone
     metrics = open(metrics_path, "a") if rank == 0 else None
 
     def record(row):
@@ -616,22 +886,25 @@ def train(cfg):
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
 
+    if changes:
+        record({"step": step, "resume_changes": changes})
+
     def evaluate_and_record():
         val = evaluate(net, val_loader, cfg, device)
         row = {"step": step, "val_loss": val, "weights": weight_structure(net, track)}
         log0(f"step {step}: val loss {val:.4f}")
         record(row)
 
-    peak = matmul_peak(cfg, device)
-    log0(f"MFU against a peak of {peak / 1e12:.3g} TFLOP/s per device" if peak else
-         f"MFU not reported: unknown peak for {torch.cuda.get_device_name(device)}; set --peak_flops")
+    peak, source = matmul_peak(cfg, device)
+    log0(f"MFU against a peak of {peak / 1e12:.3g} TFLOP/s per device ({source})" if peak else
+         f"MFU not reported: unknown peak for {source}; set --peak_flops")
     fpt = net.flops_per_token(cfg["seq_len"])
     tokens_step = cfg["global_batch"] * cfg["seq_len"]
-    last_ckpt = done[-1] if done else None
+    last_ckpt = resumed
     if step == 0:
         evaluate_and_record()
         if 0 in cfg["keep_steps"]:
-            last_ckpt = save_checkpoint(cfg, step, net, opt, loader, meta_common)
+            last_ckpt = save_checkpoint(cfg, step, net, opt, loader, meta_common, last_ckpt)
             log0(f"saved {last_ckpt} (the init)")
     train_time, step_log, time_log = 0.0, step, 0.0  # training time only: no eval/checkpoints
     while step < cfg["max_steps"]:
@@ -694,7 +967,7 @@ def train(cfg):
         if step % cfg["eval_interval"] == 0 or step == cfg["max_steps"]:
             evaluate_and_record()
         if step % cfg["ckpt_interval"] == 0 or step == cfg["max_steps"] or step in cfg["keep_steps"]:
-            last_ckpt = save_checkpoint(cfg, step, net, opt, loader, meta_common)
+            last_ckpt = save_checkpoint(cfg, step, net, opt, loader, meta_common, last_ckpt)
             log0(f"saved {last_ckpt}")
     if metrics:
         metrics.close()
@@ -741,5 +1014,11 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input or a diverged run: one line, no traceback
+    # Bad input, a busy or changed run folder, a diverged run, a full disk: one line, no traceback.
+    except (ValueError, FloatingPointError, RunDirError) as e:
         raise SystemExit(str(e)) from None
+    except OSError as e:
+        if e.errno == errno.ENOSPC and e.filename:
+            raise SystemExit(f"no space left on device writing {e.filename}: free space and rerun "
+                             f"(files written before are intact)") from None
+        raise SystemExit(e.strerror if e.strerror and not e.filename else str(e)) from None

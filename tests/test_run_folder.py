@@ -1,0 +1,374 @@
+"""The run folder never lies (train.py): crash-safe pruning and what "complete" means, fallback
+from a damaged newest checkpoint, the out_dir lock against a double launch, no checkpoint with
+non-finite state, resume refusing a different experiment, no code from rng pickles, token ids
+checked against the vocab, one-line messages (config files, eval.py on damaged input, a full
+disk), and the CPU matmul peak."""
+import glob
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import train
+from prepare_data import check_token_ids, data_fingerprint, load_meta
+from test_train import ROOT, TINY, command, data_dir, rows, run_train  # noqa: F401  (data_dir: the shared fixture)
+
+ARGS = [*TINY, "--max_steps=6", "--ckpt_interval=1", "--keep_last=3"]
+
+
+@pytest.fixture(scope="module")
+def run6(data_dir, tmp_path_factory):  # noqa: F811
+    """A finished 6-step run with a checkpoint every step (the last 3 kept): the reference."""
+    out = str(tmp_path_factory.mktemp("ref") / "run")
+    run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={out}"])
+    return out
+
+
+def copy_run(run, tmp_path, name="run"):
+    dst = str(tmp_path / name)
+    shutil.copytree(run, dst)
+    return dst
+
+
+def one_line(p):
+    """The failed command's error: exactly one line on stderr (no traceback)."""
+    err = p.stderr.strip()
+    assert p.returncode != 0 and err and "\n" not in err and "Traceback" not in err, p.stderr[-3000:]
+    return err
+
+
+# ----------------------------------------------------------------------------- completeness, pruning
+def test_complete_means_every_file_dcp_names(run6, tmp_path):
+    run = copy_run(run6, tmp_path)
+    newest = os.path.join(run, "ckpt_00000006")
+    assert train.checkpoint_problem(newest) is None
+    shard = glob.glob(os.path.join(newest, "*.distcp"))[0]
+    size = os.path.getsize(shard)
+    with open(shard, "r+b") as f:
+        f.truncate(size // 2)
+    assert train.checkpoint_problem(newest) == f"{os.path.basename(shard)} is truncated ({size // 2} of {size} bytes)"
+    os.remove(shard)
+    assert train.checkpoint_problem(newest) == f"{os.path.basename(shard)} is missing"
+    assert [os.path.basename(c) for c in train.complete_checkpoints(run)] == ["ckpt_00000004", "ckpt_00000005"]
+    os.remove(os.path.join(run, "ckpt_00000005", "rng_rank0.pt"))
+    assert train.checkpoint_problem(os.path.join(run, "ckpt_00000005")) == "rng_rank0.pt is missing"
+    with open(os.path.join(run, "ckpt_00000004", "meta.json"), "w") as f:
+        f.write('{"step": 4, ')
+    assert train.checkpoint_problem(os.path.join(run, "ckpt_00000004")).startswith("meta.json is not valid JSON")
+
+
+def test_kill_during_prune_leaves_no_complete_looking_folder(run6, tmp_path, monkeypatch):
+    """rmtree removes the .distcp data before meta.json/.metadata: killed in between, the old
+    pruning left a folder every tool took as complete. Now the folder leaves the ckpt_ namespace
+    first; the kill is simulated by an rmtree that dies after the first file."""
+    run = copy_run(run6, tmp_path)
+    real_rmtree = shutil.rmtree
+
+    def killed_rmtree(path, *a, **k):
+        os.remove(glob.glob(os.path.join(path, "*.distcp"))[0])
+        raise KeyboardInterrupt("killed mid-prune")
+    monkeypatch.setattr(train.shutil, "rmtree", killed_rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        train.prune_checkpoint(os.path.join(run, "ckpt_00000004"))
+    monkeypatch.setattr(train.shutil, "rmtree", real_rmtree)
+    assert os.path.isdir(os.path.join(run, "deleting_ckpt_00000004"))
+    assert [os.path.basename(c) for c in train.complete_checkpoints(run)] == ["ckpt_00000005", "ckpt_00000006"]
+    assert train.scan_checkpoints(run)[1] == []  # nothing half-deleted is even listed
+    train.clear_leftovers(run)
+    assert not glob.glob(os.path.join(run, "deleting_*"))
+
+
+@pytest.mark.slow
+def test_real_kills_while_saving_and_pruning_never_leave_a_damaged_ckpt(data_dir, tmp_path):  # noqa: F811
+    """SIGKILL at random moments of a run that saves and prunes every step: after each kill,
+    every ckpt_ folder is complete, and the resumed run ends with the uninterrupted run's losses."""
+    args = [*TINY, f"--data_dir={data_dir}", "--max_steps=20", "--ckpt_interval=1", "--keep_last=1", "--eval_interval=50"]
+    ref, out = str(tmp_path / "ref"), str(tmp_path / "killed")
+    run_train([*args, f"--out_dir={ref}"])
+    rng = np.random.default_rng(0)
+    for kill in range(4):
+        proc = subprocess.Popen(command([*args, f"--out_dir={out}"], 1), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        deadline = time.time() + 120
+        while not glob.glob(os.path.join(out, "ckpt_*")) and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.05, 1.0))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        complete, damaged = train.scan_checkpoints(out)
+        assert damaged == [], damaged
+    run_train([*args, f"--out_dir={out}"])
+    assert rows(out, "loss") == rows(ref, "loss")
+
+
+# ----------------------------------------------------------------------------- damaged newest checkpoint
+@pytest.mark.slow
+def test_damaged_newest_checkpoint_falls_back_and_says_so(run6, data_dir, tmp_path):  # noqa: F811
+    # Contents damaged in place (sizes right, so only loading can tell): resume falls back.
+    run = copy_run(run6, tmp_path)
+    shard = glob.glob(os.path.join(run, "ckpt_00000006", "*.distcp"))[0]
+    data = bytearray(open(shard, "rb").read())
+    data[: len(data) // 2] = os.urandom(len(data) // 2)
+    open(shard, "wb").write(bytes(data))
+    p = run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
+    assert "ckpt_00000006 could not be resumed" in p.stdout and "falling back" in p.stdout
+    assert "resumed from " + os.path.join(run, "ckpt_00000005") in p.stdout
+    assert rows(run, "loss") == rows(run6, "loss")  # step 6 redone from 5: bitwise the same
+    assert train.checkpoint_problem(os.path.join(run, "ckpt_00000006")) is None  # rewritten whole
+    # Truncated (caught before loading): said and skipped.
+    run = copy_run(run6, tmp_path, "trunc")
+    with open(glob.glob(os.path.join(run, "ckpt_00000006", "*.distcp"))[0], "r+b") as f:
+        f.truncate(100)
+    p = run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
+    assert "ckpt_00000006 is damaged (__0_0.distcp is truncated" in p.stdout and "resumed from" in p.stdout
+
+
+# ----------------------------------------------------------------------------- lock
+@pytest.mark.slow
+def test_double_launch_exits_at_once_naming_the_holder(data_dir, tmp_path):  # noqa: F811
+    out = str(tmp_path / "run")
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=100000", "--ckpt_interval=20",
+            "--log_interval=1", "--warmup_steps=2"]
+    first = subprocess.Popen(command(args, 1), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 300
+        while not glob.glob(os.path.join(out, "ckpt_*")) and time.time() < deadline:
+            time.sleep(0.05)
+        second = run_train(args, ok=False)
+        err = one_line(second)
+        assert f"pid {first.pid} on host" in err and "in use by" in err
+        assert first.poll() is None  # the holder trains on, undisturbed
+        time.sleep(1)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    logged = sorted(rows(out, "loss"))
+    assert logged == list(range(1, len(logged) + 1)) and len(logged) >= 20  # every row of the holder's, in place
+    assert len(train.complete_checkpoints(out)) >= 1 and train.scan_checkpoints(out)[1] == []
+    # the kernel released the lock with its holder: the next launch gets past it (and stops at
+    # the experiment check, having been asked for a different schedule)
+    assert "max_steps 100000 there, 50 now" in one_line(run_train([*args, "--max_steps=50"], ok=False))
+
+
+# ----------------------------------------------------------------------------- non-finite state
+def test_adam_eps_zero_is_rejected():
+    with pytest.raises(ValueError, match=r"adam_eps=0.0 must be > 0"):
+        train.load_config(["--adam_eps=0"])
+
+
+@pytest.mark.slow
+def test_non_finite_weights_are_never_saved(data_dir, tmp_path):  # noqa: F811
+    """An embedding initialised at std 64^21.3 ≈ 3e38, past fp32's largest value for a quarter of
+    its entries: the init checkpoint (keep_steps [0]) would hold inf; it is refused, and nothing
+    is left that looks like a checkpoint."""
+    out = str(tmp_path / "run")
+    p = run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--keep_steps=[0]",
+                   "--init_overrides={'^tok_emb': -21.3}"], ok=False)
+    err = one_line(p)
+    assert "step 0: parameters or optimizer state are not finite" in err and "Last good checkpoint: none" in err
+    assert not glob.glob(os.path.join(out, "*ckpt_*"))
+
+
+def test_all_finite_sees_one_nan_in_optimizer_state():
+    net = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(net.parameters())
+    net(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    train.setup_distributed()
+    try:
+        assert train.all_finite(net, opt)
+        opt.state[net.weight]["exp_avg_sq"][1, 2] = float("nan")
+        assert not train.all_finite(net, opt)
+        opt.state[net.weight]["exp_avg_sq"][1, 2] = 0.0
+        with torch.no_grad():
+            net.bias[0] = float("-inf")
+        assert not train.all_finite(net, opt)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- provenance
+@pytest.mark.slow
+def test_resume_refuses_a_different_experiment(run6, data_dir, tmp_path):  # noqa: F811
+    run = copy_run(run6, tmp_path)
+    base = [*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"]
+    err = one_line(run_train([*base, "--gamma=0.5", "--seed=1"], ok=False))
+    assert "gamma 1.0 there, 0.5 now; seed 0 there, 1 now" in err and "allow_resume_changes" in err
+    meta = meta_of(run)
+    fp = data_fingerprint(data_dir, load_meta(data_dir))
+    assert train.experiment_changes(meta, train.load_config(base), fp) == {}
+    assert train.experiment_changes(meta, train.load_config([*base, "--weight_decay.matrix=1.0"]), fp) == {
+        "weight_decay": {"was": {"matrix": 0.1, "embed": 0.0, "norm": 0.0}, "now": {"matrix": 1.0, "embed": 0.0, "norm": 0.0}}}
+    # the same data, every byte rot13'd: the same size and shapes, other tokens
+    other = str(tmp_path / "rot13")
+    shutil.copytree(data_dir, other)
+    for path in glob.glob(os.path.join(other, "*.bin")):
+        raw = bytearray(open(path, "rb").read())
+        body = np.frombuffer(raw, np.uint8, offset=64)  # behind the shard header: docs, then tokens
+        tail = np.array(body)
+        letters = (tail >= 97) & (tail <= 122)
+        tail[letters] = (tail[letters] - 97 + 13) % 26 + 97
+        open(path, "wb").write(bytes(raw[:64]) + tail.tobytes())
+    meta = load_meta(other)
+    for info in meta["splits"].values():
+        info.pop("shard_sha256")  # as a folder written before fingerprints: hashed from the files
+    json.dump(meta, open(os.path.join(other, "meta.json"), "w"))
+    assert data_fingerprint(other, meta) != fp
+    assert list(train.experiment_changes(meta_of(run), train.load_config(base), data_fingerprint(other, meta))) == ["data"]
+    # explicitly allowed: resumes, and the change is on record
+    p = run_train([*base, "--max_steps=7", "--allow_resume_changes=True"])
+    assert "resuming with changed settings" in p.stdout
+    records = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if "resume_changes" in line]
+    assert records == [{"step": 6, "resume_changes": {"max_steps": {"was": 6, "now": 7}}}]
+
+
+def meta_of(run):
+    return json.load(open(os.path.join(run, "ckpt_00000006", "meta.json")))
+
+
+class Boom:
+    """Unpickled, it runs a shell command: what a crafted rng file in a shared run folder could do."""
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.slow
+def test_rng_file_is_loaded_without_running_code(run6, data_dir, tmp_path):  # noqa: F811
+    run = copy_run(run6, tmp_path)
+    with open(os.path.join(run, "ckpt_00000006", "rng_rank0.pt"), "wb") as f:
+        pickle.dump({"cpu": Boom(tmp_path / "PWNED")}, f)
+    p = run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
+    assert not (tmp_path / "PWNED").exists()
+    assert "ckpt_00000006 could not be resumed (UnpicklingError" in p.stdout  # refused, not run
+
+
+# ----------------------------------------------------------------------------- token ids
+def test_token_ids_past_the_vocab_are_caught_at_start(data_dir, tmp_path):  # noqa: F811
+    meta = load_meta(data_dir)
+    assert max(max(s["shard_max_id"]) for s in meta["splits"].values()) == 256  # the bytes' end-of-text
+    check_token_ids(data_dir, meta, 257)
+    with pytest.raises(ValueError, match=r"train_000000.bin holds token id 256 >= the model's vocab_size 256"):
+        check_token_ids(data_dir, meta, 256)
+    # a shard corrupted after writing, in a folder without stored max ids: read from the shards
+    other = str(tmp_path / "bad")
+    shutil.copytree(data_dir, other)
+    path = os.path.join(other, "val_000000.bin")
+    raw = bytearray(open(path, "rb").read())
+    raw[-2:] = np.array([300], np.uint16).tobytes()
+    open(path, "wb").write(bytes(raw))
+    meta = load_meta(other)
+    for info in meta["splits"].values():
+        info.pop("shard_max_id")
+    json.dump(meta, open(os.path.join(other, "meta.json"), "w"))
+    err = one_line(run_train([*TINY, f"--data_dir={other}", f"--out_dir={tmp_path / 'r'}", "--max_steps=4"], ok=False))
+    assert "val_000000.bin holds token id 300 >= the model's vocab_size 257" in err
+
+
+# ----------------------------------------------------------------------------- messages
+@pytest.mark.parametrize("text, message", [
+    ("lr = 3e-3\nmax_steps = (\n", r"bad.py:2: syntax error"),
+    ("include('nope.py')\n", r"no such config file '.*nope.py'"),
+    ("lr = 1e-3\nx = undefined_name\n", r"bad.py:2: NameError: name 'undefined_name' is not defined"),
+])
+def test_broken_config_files_are_one_line(tmp_path, text, message):
+    (tmp_path / "bad.py").write_text(text)
+    p = subprocess.run([sys.executable, "train.py", str(tmp_path / "bad.py")], cwd=ROOT, capture_output=True, text=True)
+    assert __import__("re").search(message, one_line(p))
+
+
+def test_names_from_other_trainers_get_a_hint():
+    with pytest.raises(ValueError, match=r"unknown key 'learning_rate' in the command line; did you mean 'lr'"):
+        train.load_config(["--learning_rate=1e-3"])
+    with pytest.raises(ValueError, match=r"did you mean 'max_steps'"):
+        train.load_config(["--max_iters=10"])
+
+
+def eval_error(path, *extra):
+    p = subprocess.run([sys.executable, "eval.py", "weights", str(path), *extra], cwd=ROOT, capture_output=True,
+                       text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return one_line(p)
+
+
+def test_eval_on_damaged_or_wrong_input_is_one_line(run6, data_dir, tmp_path):  # noqa: F811
+    run = copy_run(run6, tmp_path)
+    newest = os.path.join(run, "ckpt_00000006")
+    with open(glob.glob(os.path.join(newest, "*.distcp"))[0], "r+b") as f:
+        f.truncate(10)
+    err = eval_error(newest)
+    assert "damaged or half-written checkpoint (__0_0.distcp is truncated" in err
+    assert "complete ones beside it: ckpt_00000004, ckpt_00000005" in err
+    open(os.path.join(run, "ckpt_00000005", "meta.json"), "w").write("{not json")
+    assert "meta.json is not valid JSON" in eval_error(os.path.join(run, "ckpt_00000005"))
+    assert "is a data folder (prepare_data.py output), not a checkpoint" in eval_error(data_dir)
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(os.urandom(4096))
+    assert "junk.pt: not a readable torch file" in eval_error(junk)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "no ckpt_* folders" in eval_error(empty)
+
+
+def tmpfs(path, size):
+    os.makedirs(path, exist_ok=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True).returncode:
+        pytest.skip("can't mount a small tmpfs here (needs root): the full-disk test needs a filesystem to fill")
+
+
+@pytest.mark.slow
+def test_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_last(run6, data_dir, tmp_path):  # noqa: F811
+    disk = tmp_path / "disk"
+    ckpt = sum(os.path.getsize(p) for p in glob.glob(os.path.join(run6, "ckpt_00000006", "*")))
+    tmpfs(disk, f"{int(2.5 * ckpt) // 1024}k")  # room for two checkpoints and the logs, not a third
+    try:
+        out = str(disk / "run")
+        args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=8", "--ckpt_interval=1", "--keep_last=3"]
+        err = one_line(run_train(args, ok=False))
+        assert err.startswith("no space left on device while saving") and "is intact. Free space and resume" in err
+        complete, damaged = train.scan_checkpoints(out)
+        assert complete and damaged == [] and not glob.glob(os.path.join(out, "tmp_*"))
+        assert err.split(" is intact")[0].endswith(os.path.basename(complete[-1]))
+        assert train.checkpoint_problem(complete[-1]) is None
+        assert sorted(rows(out, "loss"))[-1] >= int(complete[-1][-8:])  # metrics kept up to the failure
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+# ----------------------------------------------------------------------------- MFU peak
+def test_cpu_peak_uses_a_local_generator_and_the_machine_best(tmp_path, monkeypatch):
+    monkeypatch.setenv("SMALLINIT_CACHE", str(tmp_path))
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    measured, source = train.cpu_matmul_peak(size=256, trials=2, seconds=0.02)
+    assert torch.equal(torch.get_rng_state(), state)  # the global RNG a resume restored is untouched
+    cache = json.loads((tmp_path / "cpu_peak.json").read_text())
+    (key, best), = cache.items()
+    assert best == measured and key in source and "measured now" in source
+    (tmp_path / "cpu_peak.json").write_text(json.dumps({key: measured * 10}))
+    again, _ = train.cpu_matmul_peak(size=256, trials=2, seconds=0.02)
+    assert again == measured * 10  # a slow moment now does not lower the peak MFU is taken against
+
+
+def test_a_model_field_newer_than_the_checkpoint_counts_as_its_default(run6, tmp_path):
+    run = copy_run(run6, tmp_path)
+    path = os.path.join(run, "ckpt_00000006")
+    meta = meta_of(run)
+    mcfg = train.model_config(meta["config"], "cpu")
+    del meta["model_config"]["norm"]  # as written before GPTConfig had the field
+    json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
+    train.check_resumable(path, mcfg)
+    meta["model_config"]["norm"] = "layernorm"
+    json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
+    with pytest.raises(ValueError, match="norm 'layernorm' there, 'rmsnorm' now"):
+        train.check_resumable(path, mcfg)
