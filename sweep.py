@@ -27,7 +27,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
-from prepare_data import write_json
+from prepare_data import cpu_name, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -139,13 +139,7 @@ def git_commit():
 
 
 def machine():
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "threads_per_point": 1, "host": platform.node(), "python": platform.python_version()}
+    return {"cpu": cpu_name(), "threads_per_point": 1, "host": platform.node(), "python": platform.python_version()}
 
 
 def read_jsonl(path):
