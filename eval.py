@@ -648,6 +648,13 @@ def sweep_table(result):
             line[key] = f"{mean:.4f}" + ("" if std is None else f" ± {std:.4f}")
         mean, _, half = mean_interval([m["loss"] for m in metrics])
         line["loss_95ci"] = "-" if half is None else f"[{mean - half:.4f}, {mean + half:.4f}]"
+        # Paired by seed against the first line: a seed fixes the init draw and the data order in
+        # every arm, so the per-seed difference removes the variance the arms share.
+        first = {r["seed"]: sweep_metrics(r)["loss"] for r in next(iter(groups.values()))}
+        deltas = [m["loss"] - first[r["seed"]] for r, m in zip(rows, metrics) if r["seed"] in first]
+        if lines and deltas:
+            mean, std, half = mean_interval(deltas)
+            line["dloss_vs_first"] = f"{mean:+.4f}" + ("" if std is None else f" ± {std:.4f} [{mean - half:+.4f}, {mean + half:+.4f}]")
         line["tokens"] = rows[0]["tokens"]
         lines.append(line)
     return lines

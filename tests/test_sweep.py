@@ -137,6 +137,11 @@ def test_report_aggregates_seeds_by_hand(tmp_path, capsys):
     assert table[0]["loss_95ci"] == "[-0.4843, 4.4843]" and table[0]["seeds"] == "0,1,2"
     assert table[0]["best_val_loss"] == "3.0000 ± 1.0000"
     assert table[1]["loss"] == "5.0000" and table[1]["loss_95ci"] == "-"  # one seed: no spread claimed
+    assert "dloss_vs_first" not in table[0] and table[1]["dloss_vs_first"] == "+4.0000"  # 5 - a's seed 0
+    paired = ev.sweep_table(synthetic_result({"a": [1.0, 2.0, 3.0], "b": [1.5, 2.0, 3.5]}))[1]["dloss_vs_first"]
+    # differences 0.5, 0, 0.5 by seed: mean 1/3, std sqrt(1/12), half-width 4.303 * sqrt(1/12) / sqrt(3)
+    half = 4.303 * math.sqrt(1 / 12) / math.sqrt(3)
+    assert paired == f"+0.3333 ± 0.2887 [{1 / 3 - half:+.4f}, {1 / 3 + half:+.4f}]"
     path = tmp_path / "syn.json"
     path.write_text(json.dumps(synthetic_result({"a": [1.0, 2.0, 3.0]})))
     ev.main(["report", str(path), "--out", str(tmp_path / "r.md")])
