@@ -29,7 +29,6 @@ import math
 import os
 import re
 import sys
-import time
 import warnings
 from fractions import Fraction
 
@@ -37,28 +36,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from prepare_data import atomic_write_bytes
+from prepare_data import atomic_write_bytes, progress_bar
 
 
 # ----------------------------------------------------------------------------- output helpers
-
-def progress(items, total, label):
-    """Yield from items while printing a one-line progress bar on stderr (no tqdm dependency),
-    redrawn at most twice a second so a log file of a long run stays readable."""
-    start = shown = time.time()
-    for i, item in enumerate(items):
-        yield item
-        done = i + 1
-        now = time.time()
-        if now - shown < 0.5 and done < total:
-            continue
-        shown, elapsed = now, now - start
-        eta = elapsed / done * (total - done)
-        bar = "#" * int(20 * done / total)
-        end = "\n" if done >= total else ""
-        print(f"\r{label} [{bar:<20}] {done}/{total} {elapsed:.0f}s eta {eta:.0f}s",
-              end=end, file=sys.stderr, flush=True)
-
 
 def fmt(value):
     if value is None:
@@ -336,7 +317,7 @@ def pick_choice(sums, counts, normalise=True):
 def hellaswag_accuracy(model, encode, tasks):
     """({acc_norm, acc}, per task rows: label, both picks and each ending's mean log p)."""
     rows = []
-    for task in progress(tasks, len(tasks), "hellaswag"):
+    for task in progress_bar(tasks, desc="hellaswag"):
         # The ending follows the context after a space, as in the original evaluation.
         sums, counts = continuation_logprobs(model, encode(task["ctx"]), [encode(" " + e) for e in task["endings"]])
         rows.append({"label": task["label"], "pick_norm": pick_choice(sums, counts),
@@ -670,7 +651,8 @@ def val_batches(data, args, label, seq_len):
     n = min(wanted, loader.n_windows // args.batch_size)
     if n < wanted:
         print(f"{label}: the {args.split} split holds {n} batches, fewer than the --tokens budget", file=sys.stderr)
-    return loader.meta, loader.seq_len, progress((loader.next_batch(with_sources=True) for _ in range(n)), n, label)
+    batches = (loader.next_batch(with_sources=True) for _ in range(n))
+    return loader.meta, loader.seq_len, progress_bar(batches, total=n, desc=label)
 
 
 # ----------------------------------------------------------------------------- analyses
@@ -775,7 +757,7 @@ def run_sink(args):
 def run_weights(args):
     paths = [p for arg in args.ckpts for p in find_checkpoints(arg)]
     series, last_state = [], None
-    for path in progress(paths, len(paths), "weights"):
+    for path in progress_bar(paths, desc="weights"):
         model, info = load_model(path)
         # Parameters only: buffers such as the MoE selection bias are not weights.
         last_state = dict(model.named_parameters())
@@ -831,7 +813,7 @@ def run_residual(args):
         return {"analysis": "residual", "ckpt": args.ckpt, "summary": summary, "rows": rows}
     from model import GPT, config_for, init_model_
     rows = []
-    for width in progress(args.widths, len(args.widths), "residual@init"):
+    for width in progress_bar(args.widths, desc="residual@init"):
         overrides = dict(d_model=width, mlp=args.mlp, attn_gate=args.attn_gate)
         cfg = config_for(args.size, **overrides)
         model = GPT(cfg)
@@ -878,7 +860,7 @@ def run_math_bench(model, tokenizer, args):
     shots, tests = records[:args.shots], records[args.shots:][:args.limit]
 
     per_problem = []
-    for rec in progress(tests, len(tests), args.task):
+    for rec in progress_bar(tests, desc=args.task):
         prompt, marker = few_shot_prompt(shots, rec["question"], args.task)
         # Checked after every token: look at the newest token and a short decoded tail only,
         # not the whole continuation (that would be quadratic in its length).
