@@ -1064,9 +1064,11 @@ def parse_pair(text):
 
 def add_text_arguments(p):
     p.add_argument("--source", action="append", required=True, metavar="NAME=PATH[,key=value...]",
-                   help="a text source, repeatable. PATH: file, folder, glob or hf:owner/dataset. keys: "
-                        "weight (token share), field (json/parquet/hub column), config and split (hub), "
-                        "sample_by (.txt docs: paragraph|document|line), sep (cut docs at it), max_tokens")
+                   help="a text source, repeatable. PATH: file, folder (hub layout or save_to_disk), glob or "
+                        "hf:owner/dataset. keys: weight (token share), field (json/parquet/hub column), config "
+                        "and split (folder or hub; split defaults to train), sample_by (.txt docs: "
+                        "paragraph|document|line), sep (cut docs at it), max_tokens, encoding (.txt/.json files "
+                        "that are not UTF-8)")
     # bytes: no download, and its 257 ids are GPTConfig's default vocab, so tiny CPU runs just work
     p.add_argument("--tokenizer", default="bytes", help="bytes, gpt2, r50k_base, cl100k_base, o200k_base")
     # None: tiktoken downloads (or finds its cache); offline clusters point this at the published files
