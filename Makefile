@@ -13,7 +13,9 @@ plots:
 
 # Packages only some tests use; a test whose package is missing skips, saying which.
 # transformers: init.py on Hugging Face models (tests/test_init_hf.py).
+# tensorboard, wandb: train.py's optional live curves (tests/test_train.py's logger tests).
 TEST_EXTRAS += transformers
+TEST_EXTRAS += tensorboard wandb
 
 test-extras:
 	$(PYTHON) -m pip install -q $(TEST_EXTRAS) || echo "could not install $(TEST_EXTRAS): the tests that need them will skip"

@@ -37,29 +37,11 @@ import torch
 from model import (GPT, capture_attention, config_for, cosine_stats, document_ids, init_model_, row_cosines,
                    stable_rank, trace_residual)
 from prepare_data import (TokenLoader, anchor_accuracy, anchor_answer_kinds, atomic_write_bytes, get_tokenizer, load_meta,
-                          read_records, write_json)
+                          progress_bar, read_records, write_json)
 from train import find_checkpoints, load_model
 
 
 # ----------------------------------------------------------------------------- output helpers
-
-def progress(items, total, label):
-    """Yield from items while printing a one-line progress bar on stderr (no tqdm dependency),
-    redrawn at most twice a second so a log file of a long run stays readable."""
-    start = shown = time.time()
-    for i, item in enumerate(items):
-        yield item
-        done = i + 1
-        now = time.time()
-        if now - shown < 0.5 and done < total:
-            continue
-        shown, elapsed = now, now - start
-        eta = elapsed / done * (total - done)
-        bar = "#" * int(20 * done / total)
-        end = "\n" if done >= total else ""
-        print(f"\r{label} [{bar:<20}] {done}/{total} {elapsed:.0f}s eta {eta:.0f}s",
-              end=end, file=sys.stderr, flush=True)
-
 
 def fmt(value):
     if value is None:
@@ -155,7 +137,8 @@ def val_batches(data, split, batch_size, seq_len, tokens, seed, label):
     n = min(wanted, loader.n_windows // batch_size)
     if n < wanted:
         print(f"{label}: the {split} split holds {n} batches, fewer than the --tokens budget", file=sys.stderr)
-    return loader.meta, loader.seq_len, progress((loader.next_batch(with_sources=True) for _ in range(n)), n, label)
+    batches = (loader.next_batch(with_sources=True) for _ in range(n))
+    return loader.meta, loader.seq_len, progress_bar(batches, total=n, desc=label)
 
 
 def models_and_batches(args, ckpts, label, attn_backend=None):
@@ -391,7 +374,7 @@ def plot_trajectory(steps, by_kind, path):
 def run_weights(args):
     paths = [p for arg in args.ckpts for p in find_checkpoints(arg)]
     series, last_state = [], None
-    for path in progress(paths, len(paths), "weights"):
+    for path in progress_bar(paths, desc="weights"):
         model, info = load_model(path)
         # Parameters only: buffers such as the MoE selection bias are not weights.
         last_state = dict(model.named_parameters())
@@ -445,7 +428,7 @@ def run_residual(args):
         summary.update(split=args.split, seq_len=seq_len)
         return {"analysis": "residual", "ckpt": args.ckpt, "summary": summary, "rows": rows}
     rows = []
-    for width in progress(args.widths, len(args.widths), "residual@init"):
+    for width in progress_bar(args.widths, desc="residual@init"):
         overrides = dict(d_model=width, mlp=args.mlp, attn_gate=args.attn_gate)
         cfg = config_for(args.size, **overrides)
         model = GPT(cfg)
@@ -777,7 +760,7 @@ def pick_choice(sums, counts, normalise=True):
 def hellaswag_accuracy(model, encode, tasks):
     """({acc_norm, acc}, per task rows: label, both picks and each ending's mean log p)."""
     rows = []
-    for task in progress(tasks, len(tasks), "hellaswag"):
+    for task in progress_bar(tasks, desc="hellaswag"):
         # The ending follows the context after a space, as in the original evaluation.
         sums, counts = continuation_logprobs(model, encode(task["ctx"]), [encode(" " + e) for e in task["endings"]])
         rows.append({"label": task["label"], "pick_norm": pick_choice(sums, counts),
@@ -963,7 +946,7 @@ def run_math_bench(model, tokenizer, args):
     shots, tests = records[:args.shots], records[args.shots:][:args.limit]
 
     per_problem = []
-    for rec in progress(tests, len(tests), args.task):
+    for rec in progress_bar(tests, desc=args.task):
         prompt, marker = few_shot_prompt(shots, rec["question"], args.task)
         # Checked after every token: look at the newest token and a short decoded tail only,
         # not the whole continuation (that would be quadratic in its length).

@@ -27,10 +27,14 @@ What train.py / eval.py use: load_meta, TokenLoader, check_model_vocab, get_toke
 read_records and the anchor helpers anchor_fields, anchor_answer_kinds, anchor_accuracy.
 """
 import argparse
+import bz2
+import codecs
 import glob
+import gzip
 import hashlib
 import io
 import json
+import lzma
 import math
 import multiprocessing
 import os
@@ -49,6 +53,7 @@ from itertools import chain
 import numpy as np
 import tiktoken
 import torch
+from tqdm import tqdm
 
 FORMAT_VERSION = 1
 MAGIC = b"SITOKENS"
@@ -501,9 +506,12 @@ def read_records(data_dir, split):
 
 
 # -----------------------------------------------------------------------------
-# Text sources (all read through `datasets`)
+# Text sources (all read through `datasets`, the way its users store data)
 
 TEXT_EXTENSIONS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# datasets decompresses text and json files by their suffix (.jsonl.gz); the checks below
+# open them the same way
+COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 
 
 @dataclass
@@ -512,14 +520,15 @@ class Source:
     path: str                   # file, folder, glob, or "hf:owner/dataset" for the hub
     weight: float = 1.0         # share of the mixture's tokens (normalised over sources)
     field: str = "text"         # json/parquet/hub column holding the text (a list of str is joined by \n)
-    config: str | None = None   # hub dataset config
-    split: str = "train"        # hub dataset split
+    config: str | None = None   # hub or folder dataset config (README.md `configs:`)
+    split: str = "train"        # hub or folder split; a file or glob is read whole
     sample_by: str = "paragraph"  # .txt documents: blank-line paragraphs, so books split into val/train
     sep: str | None = None      # also cut each text at this string (TinyStories: "<|endoftext|>")
     # Stop reading this source after this many tokens. Files are read in sorted path order, so a
     # capped folder of several corpora is cut from the front: give them separate sources to
     # control their shares.
     max_tokens: int | None = None
+    encoding: str | None = None  # .txt/.json files that are not UTF-8, e.g. latin-1, gb18030
 
 
 def parse_count(text):
@@ -542,54 +551,188 @@ def parse_source(spec):
         key, _, value = option.partition("=")
         if key not in Source.__dataclass_fields__ or key in ("name", "path"):
             raise ValueError(f"bad --source {spec!r}: unknown option {key!r}; options: weight, field, "
-                             f"config, split, sample_by, sep, max_tokens")
+                             f"config, split, sample_by, sep, max_tokens, encoding")
         try:
             kwargs[key] = float(value) if key == "weight" else parse_count(value) if key == "max_tokens" else value
         except ValueError:
             raise ValueError(f"bad --source {spec!r}: {key}={value!r} is not a number") from None
     if kwargs.get("sample_by", "paragraph") not in ("paragraph", "document", "line"):
         raise ValueError(f"bad --source {spec!r}: sample_by is paragraph, document or line")
+    if "encoding" in kwargs:
+        try:
+            codecs.lookup(kwargs["encoding"])
+        except LookupError:
+            raise ValueError(f"bad --source {spec!r}: unknown encoding {kwargs['encoding']!r}") from None
     return Source(name, path, **kwargs)
 
 
+def file_builder(path):
+    """datasets' builder for a data file by its suffix, through a compression suffix; None: not data."""
+    stem, ext = os.path.splitext(path)
+    if ext in COMPRESSED:
+        builder = TEXT_EXTENSIONS.get(os.path.splitext(stem)[1])
+        return builder if builder in ("text", "json") else None  # parquet compresses itself
+    return TEXT_EXTENSIONS.get(ext)
+
+
 def source_files(source):
-    path = os.path.expanduser(source.path)
-    if os.path.isdir(path):
-        files = [f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
-                 if os.path.splitext(f)[1] in TEXT_EXTENSIONS]
-    else:
-        files = glob.glob(path, recursive=True)
-    files = sorted(files)
+    files = sorted(glob.glob(os.path.expanduser(source.path), recursive=True))
     if not files:
-        raise FileNotFoundError(f"source {source.name}: nothing matches {source.path} "
-                                f"(expected {', '.join(TEXT_EXTENSIONS)} files, a folder or a glob)")
-    builders = {TEXT_EXTENSIONS.get(os.path.splitext(f)[1]) for f in files}
+        raise FileNotFoundError(f"source {source.name}: nothing matches {source.path} (expected "
+                                f"{', '.join(TEXT_EXTENSIONS)} files (optionally .gz/.bz2/.xz), a folder or a glob)")
+    builders = {file_builder(f) for f in files}
     if None in builders or len(builders) > 1:
         raise ValueError(f"source {source.name}: files must all be .txt, all .json/.jsonl or all "
                          f".parquet; split them into separate sources")
     return files, builders.pop()
 
 
-def iter_texts(source, batch_size=1000):
-    """Lists of document texts of one source, streamed (nothing is cached or loaded whole)."""
+def source_layout(source):
+    """'hub' (hf:ID), 'saved' / 'saved_dict' (a save_to_disk Dataset / DatasetDict), 'folder'
+    (the hub layout: splits from README.md configs or from file names) or 'files' (file, glob)."""
+    path = os.path.expanduser(source.path)
+    if source.path.startswith("hf:"):
+        return "hub"
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+        return "saved_dict"
+    if os.path.isfile(os.path.join(path, "state.json")):
+        return "saved"
+    return "folder" if os.path.isdir(path) else "files"
+
+
+def split_read(source):
+    """The split of the source that is read; None when it is read whole (files, a saved Dataset)."""
+    if source_layout(source) in ("hub", "folder", "saved_dict"):
+        return source.split
+    if source.split != "train":
+        raise ValueError(f"source {source.name}: {source.path} has no splits, it is read whole; "
+                         f"split= picks a split of a folder, a DatasetDict or a hub dataset: drop it")
+    return None
+
+
+def builder_options(source, builder):
+    """The Source options that datasets' `builder` (text, json, parquet...) takes."""
+    options = {"sample_by": source.sample_by} if builder == "text" else {}
+    if source.encoding is not None:
+        if builder not in ("text", "json"):
+            raise ValueError(f"source {source.name}: encoding= applies to .txt/.json files, this is "
+                             f"{builder} data (stored as UTF-8): drop it")
+        options["encoding"] = source.encoding
+    return options
+
+
+def open_source(source):
+    """(dataset with .iter(batch_size), text column, local data files) of one source."""
     import datasets  # only preparation needs it; train/eval import this module for the loader
 
-    if source.path.startswith("hf:"):
-        ds = datasets.load_dataset(source.path[3:], source.config, split=source.split, streaming=True)
-        field = source.field
-    else:
+    layout, split, path = source_layout(source), split_read(source), os.path.expanduser(source.path)
+    if layout in ("saved", "saved_dict"):  # load_dataset refuses these: load_from_disk reads them
+        ds = datasets.load_from_disk(path)
+        if layout == "saved_dict":
+            if split not in ds:
+                raise ValueError(f"source {source.name}: {path} has no split {split!r}; it has "
+                                 f"{sorted(ds)}: pass split=NAME in --source")
+            ds = ds[split]
+        return ds, source.field, []
+    if layout == "files":
         files, builder = source_files(source)
-        kwargs = {"sample_by": source.sample_by} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
-        field = "text" if builder == "text" else source.field
-    for batch in ds.iter(batch_size=batch_size):
-        if field not in batch:
-            raise ValueError(f"source {source.name}: no field {field!r}; columns are {sorted(batch)}; "
-                             f"pass field=<column> in --source")
-        texts = ["\n".join(t) if isinstance(t, list) else t for t in batch[field]]
-        if source.sep is not None:
-            texts = [piece.strip() for t in texts for piece in t.split(source.sep)]
-        yield [t for t in texts if t and not t.isspace()]
+        check_not_empty(source, files)
+        ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True,
+                                   **builder_options(source, builder))
+        return ds, "text" if builder == "text" else source.field, files
+    repo = source.path[3:] if layout == "hub" else path
+    try:
+        builder = datasets.load_dataset_builder(repo, source.config)
+        options = builder_options(source, builder.name)
+        if options:  # which options apply depends on the builder that datasets picked
+            builder = datasets.load_dataset_builder(repo, source.config, **options)
+    except ConnectionError as e:
+        raise ValueError(f"source {source.name}: cannot reach the Hugging Face Hub for {repo!r} ({e}); "
+                         f"download it on a machine with network (hf download {repo} --repo-type dataset "
+                         f"--local-dir DIR) and pass --source {source.name}=DIR; offline, set "
+                         f"HF_HUB_OFFLINE=1 to fail at once instead of retrying") from None
+    splits = builder.config.data_files or {}
+    if split not in splits:
+        raise ValueError(f"source {source.name}: {repo} has no split {split!r}; datasets finds "
+                         f"{[str(s) for s in splits]} (from README.md configs or file names): "
+                         f"pass split=NAME in --source")
+    if layout == "folder":  # datasets passes over some files silently: say so
+        used = {os.path.abspath(f) for c in builder.builder_configs.values() for fs in (c.data_files or {}).values()
+                for f in fs}
+        unread = [f for f in sorted(glob.glob(os.path.join(path, "**", "*"), recursive=True))
+                  if file_builder(f) and os.path.abspath(f) not in used]
+        if unread:
+            print(f"warning: source {source.name}: {len(unread)} data files in {path} are in no split or "
+                  f"config datasets finds and are not read, e.g. {unread[0]}", file=sys.stderr)
+    files = [f for f in splits[split] if os.path.isfile(f)]  # local ones: hub files are URLs
+    check_not_empty(source, files)
+    field = "text" if builder.name == "text" else source.field
+    return builder.as_streaming_dataset(split), field, files
+
+
+def open_file(path):
+    return COMPRESSED.get(os.path.splitext(path)[1], open)(path, "rb")
+
+
+def check_not_empty(source, files):
+    # datasets skips an empty file among others, and fails with a bare StopIteration when all are
+    for path in files:
+        with open_file(path) as f:
+            if not f.read(1):
+                raise ValueError(f"source {source.name}: {path} is empty (no records); remove it "
+                                 f"or replace it with the complete file")
+
+
+def undecodable(source, files, error):
+    """The one-line error for a file that is not in the source's encoding, naming the file."""
+    encoding = source.encoding or "utf-8"
+    for path in files:  # datasets' error names no file: find it (only on this failure path)
+        decoder = codecs.getincrementaldecoder(encoding)()
+        with open_file(path) as f:
+            try:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    decoder.decode(block)
+                decoder.decode(b"", final=True)
+            except UnicodeDecodeError as e:
+                error, culprit = e, path
+                break
+    else:
+        culprit = source.path
+    return (f"source {source.name}: {culprit} is not {encoding} text (byte 0x{error.object[error.start]:02x}: "
+            f"{error.reason}); add encoding=<its encoding> to its --source, e.g. encoding=latin-1, "
+            f"cp1252 or gb18030")
+
+
+def document_text(value, source, field, index, columns):
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return "\n".join(value)
+    if not isinstance(value, str):
+        raise ValueError(f"source {source.name} ({source.path}): record {index} has {field}="
+                         f"{value!r:.40} ({type(value).__name__}), not text; pass field=<a text column> "
+                         f"in --source (columns: {', '.join(sorted(columns))})")
+    return value
+
+
+def iter_texts(source, batch_size=1000):
+    """Lists of document texts of one source, streamed (nothing is cached or loaded whole).
+    The source is opened now, so a bad one fails before any progress output."""
+    return document_batches(source, *open_source(source), batch_size)
+
+
+def document_batches(source, ds, field, files, batch_size):
+    read = 0
+    try:
+        for batch in ds.iter(batch_size=batch_size):
+            if field not in batch:
+                raise ValueError(f"source {source.name}: no field {field!r}; columns are {sorted(batch)}; "
+                                 f"pass field=<column> in --source")
+            texts = [document_text(t, source, field, read + i, batch) for i, t in enumerate(batch[field])]
+            read += len(texts)
+            if source.sep is not None:
+                texts = [piece.strip() for t in texts for piece in t.split(source.sep)]
+            yield [t for t in texts if t and not t.isspace()]
+    except UnicodeDecodeError as e:
+        raise ValueError(undecodable(source, files, e)) from None
 
 
 def chunk_texts(batches, chars):
@@ -638,41 +781,34 @@ def parallel_map(pool, fn, tasks, workers):
         yield pending.popleft().get()
 
 
-class Progress:
-    """A one-line progress report: a bar when the token budget is known (a stream has no length),
-    else a counter, and tokens/s. Besides the overall rate it keeps the steady rate, counted from
-    the first result on: start-up (imports, worker start, opening the dataset) is a fixed cost
-    that the pipeline's throughput at scale does not pay per token."""
+class LogLines:
+    """A file for tqdm that is not a terminal: each refresh on a line of its own instead of a
+    \r redraw, so a log file does not glue its lines together."""
 
-    def __init__(self, label, total=None):
-        self.label, self.total, self.start, self.last, self.tokens = label, total, time.time(), 0.0, 0
-        self.first = None  # (time, tokens) at the first result
+    def __init__(self, stream):
+        self.stream = stream
 
-    def update(self, tokens, final=False):
-        now = time.time()
-        self.tokens += tokens
-        if self.first is None:
-            self.first = (now, self.tokens)
-        if final or now - self.last > 0.5:
-            self.last = now
-            rate = self.tokens / max(now - self.start, 1e-9)
-            bar = ""
-            if self.total:
-                done = min(self.tokens / self.total, 1.0)
-                bar = f"[{'#' * int(30 * done):<30}] {done:4.0%} "
-            print(f"\r{self.label}: {bar}{self.tokens:,} tokens, {rate / 1e6:.2f}M tok/s", end="\n" if final else "",
-                  file=sys.stderr, flush=True)
+    def write(self, text):
+        text = text.replace("\r", "").rstrip()
+        if text:
+            self.stream.write(text + "\n")
 
-    def steady(self):
-        """(tokens, seconds) since the first result."""
-        t0, n0 = self.first
-        return self.tokens - n0, self.last - t0
+    def flush(self):
+        self.stream.flush()
+
+
+def progress_bar(iterable=None, **kwargs):
+    """tqdm on stderr: a live bar on a terminal, else a plain line every 30 s."""
+    tty = sys.stderr.isatty()
+    return tqdm(iterable, file=sys.stderr if tty else LogLines(sys.stderr), mininterval=0.5 if tty else 30,
+                dynamic_ncols=tty, **kwargs)
 
 
 def tokenize_source(source, pool, workers, cache_dir, dtype, fingerprint):
     """Tokenize one source into cache_dir/<name>.tokens.bin (raw `dtype`) and <name>.lengths.npy.
 
-    Returns (tokens memmap, document lengths, Progress.steady() or None when reused).
+    Returns (tokens memmap, document lengths, (tokens, seconds) since the first result, or
+    None when reused).
     fingerprint["cap"] (None: no cap) stops the read once that many tokens are in.
     A cache with a matching <name>.done.json is complete and reused (resume after a crash).
     """
@@ -692,27 +828,31 @@ def tokenize_source(source, pool, workers, cache_dir, dtype, fingerprint):
             print(f"{source.name}: cached tokens are incomplete, tokenizing again", file=sys.stderr)
         os.remove(done)
     cap = fingerprint["cap"]
-    progress = Progress(f"tokenizing {source.name}", cap)
-    lengths, count = [], 0
+    lengths, count, first = [], 0, None  # first: (time, tokens) at the first result
     tmp = tokens_path + ".tmp"
-    with open(tmp, "wb") as raw:
-        for tokens, lens in parallel_map(pool, encode_documents, chunk_texts(iter_texts(source), 1 << 18), workers):
+    texts = iter_texts(source)
+    # a bar when the token budget is known (a stream has no length), else a counter
+    with open(tmp, "wb") as raw, progress_bar(total=cap, desc=f"tokenizing {source.name}", unit="tok",
+                                              unit_scale=True) as bar:
+        for tokens, lens in parallel_map(pool, encode_documents, chunk_texts(texts, 1 << 18), workers):
             raw.write(tokens.tobytes())
             lengths.append(lens)
             count += len(tokens)
-            progress.update(len(tokens))
+            bar.update(len(tokens) if cap is None else min(len(tokens), cap - bar.n))  # the last read overshoots
+            first = first or (time.time(), count)
             if cap is not None and count >= cap:
                 break
         raw.flush()
         os.fsync(raw.fileno())  # on disk before the done marker (fsynced) can vouch for it
-    progress.update(0, final=True)
     lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
     if not len(lengths):
         raise ValueError(f"source {source.name} ({source.path}) has no non-empty documents")
     os.replace(tmp, tokens_path)
     atomic_write_bytes(lengths_path, [npy_bytes(lengths)])
     atomic_write_bytes(done, [json.dumps(fingerprint).encode()])
-    return np.memmap(tokens_path, dtype, "r"), lengths, progress.steady()
+    # The steady rate counts from the first result on: start-up (imports, worker start, opening
+    # the dataset) is a fixed cost that the pipeline's throughput at scale does not pay per token.
+    return np.memmap(tokens_path, dtype, "r"), lengths, (count - first[1], time.time() - first[0])
 
 
 # -----------------------------------------------------------------------------
@@ -815,7 +955,8 @@ def prepare_text(args):
                   f"(use sample_by=paragraph or line)", file=sys.stderr)
         for split, docs in (("train", train), ("val", val)):
             split_docs[split].append(np.column_stack([np.full(len(docs), i), docs]))
-        stats[s.name] = {"weight": s.weight, "read_docs": len(lengths), "read_tokens": int(lengths.sum()),
+        stats[s.name] = {"weight": s.weight, "split": split_read(s),
+                         "read_docs": len(lengths), "read_tokens": int(lengths.sum()),
                          "train_docs": len(train), "train_tokens": int(train[:, 1].sum()),
                          "val_docs": len(val), "val_tokens": int(val[:, 1].sum())}
     splits = {}
@@ -839,8 +980,10 @@ def prepare_text(args):
     sizes = ", ".join(f"{k} {v['tokens']:,}" for k, v in splits.items())
     print(f"wrote {total:,} tokens ({sizes}) to "
           f"{args.out} in {seconds:.1f}s: {total / seconds / 1e6:.2f}M tok/s overall with {args.workers} workers")
-    for name, st in stats.items():
-        print(f"  {name}: {st['train_tokens']:,} train / {st['val_tokens']:,} val tokens from {st['read_docs']:,} docs")
+    for s, st in zip(sources, stats.values()):
+        read = f"split {st['split']!r} of" if st["split"] else "all of"
+        print(f"  {s.name}: {st['train_tokens']:,} train / {st['val_tokens']:,} val tokens from "
+              f"{st['read_docs']:,} docs ({read} {s.path})")
     return meta
 
 
@@ -1014,9 +1157,11 @@ def parse_pair(text):
 
 def add_text_arguments(p):
     p.add_argument("--source", action="append", required=True, metavar="NAME=PATH[,key=value...]",
-                   help="a text source, repeatable. PATH: file, folder, glob or hf:owner/dataset. keys: "
-                        "weight (token share), field (json/parquet/hub column), config and split (hub), "
-                        "sample_by (.txt docs: paragraph|document|line), sep (cut docs at it), max_tokens")
+                   help="a text source, repeatable. PATH: file, folder (hub layout or save_to_disk), glob or "
+                        "hf:owner/dataset. keys: weight (token share), field (json/parquet/hub column), config "
+                        "and split (folder or hub; split defaults to train), sample_by (.txt docs: "
+                        "paragraph|document|line), sep (cut docs at it), max_tokens, encoding (.txt/.json files "
+                        "that are not UTF-8)")
     # bytes: no download, and its 257 ids are GPTConfig's default vocab, so tiny CPU runs just work
     p.add_argument("--tokenizer", default="bytes", help="bytes, gpt2, r50k_base, cl100k_base, o200k_base")
     # None: tiktoken downloads (or finds its cache); offline clusters point this at the published files

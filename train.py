@@ -23,6 +23,7 @@ import difflib
 import errno
 import fcntl
 import glob
+import importlib.util
 import json
 import math
 import os
@@ -93,6 +94,11 @@ keep_every = 0                  # ... plus every keep_every-th step forever (0: 
 # ... plus these steps, saved and kept whatever the interval: the "condense then expand"
 # trajectory (eval.py weights) happens early, e.g. [0, 100, 300, 1000, 3000]; 0 is the init.
 keep_steps = []
+# live curves beside metrics.jsonl (rank 0): every field of its rows, optional packages
+tensorboard_dir = ""            # a torch.utils.tensorboard log folder ("": none)
+wandb_log = False               # Weights & Biases; WANDB_MODE=offline writes the run locally
+wandb_project = "smallinit"
+wandb_run_name = ""             # "": the out_dir's name
 peak_flops = 0.0                # per device for MFU; 0: 989e12 on H100/H200, a measured fp32 peak on CPU
 dry_run = 0                     # N > 0: print the plan for N ranks and exit (no data, no GPU)
 debug_nan_step = 0              # test knob: poison the loss at this step (0: never)
@@ -232,6 +238,9 @@ def validate(cfg):
         raise ValueError(f"config: betas={cfg['betas']} must be two numbers in [0, 1), e.g. (0.9, 0.95)")
     if any(v < 0 for v in cfg["weight_decay"].values()):
         raise ValueError(f"config: weight_decay={cfg['weight_decay']} must be >= 0 in every group")
+    for key, package in (("tensorboard_dir", "tensorboard"), ("wandb_log", "wandb")):
+        if cfg[key] and importlib.util.find_spec(package) is None:  # fail now, not at the first log
+            raise ValueError(f"config: {key}={cfg[key]!r} needs the {package} package: pip install {package}")
     mcfg = model_config(cfg, "cpu")  # unknown size / GPTConfig field / bad value fails here, no GPU needed
     if cfg["seq_len"] > mcfg.max_seq_len:
         raise ValueError(f"config: seq_len={cfg['seq_len']} > the model's max_seq_len={mcfg.max_seq_len}: "
@@ -268,6 +277,23 @@ def lr_at(cfg, step):
     if step < decay_start:
         return peak
     return peak - (peak - low) * (step - decay_start + 1) / (total - decay_start)
+
+
+def steps_due(first, last, interval, extra=()):
+    """How many steps in [first, last] are a multiple of interval, the last one, or in extra:
+    the evaluations (or checkpoints) still to run."""
+    return (last // interval - (first - 1) // interval + (last % interval != 0)
+            + len({s for s in extra if first <= s < last and s % interval}))
+
+
+def eta_seconds(cfg, step, step_s, spent):
+    """Time left after the update that produced `step`: the remaining steps at step_s each, plus
+    the evaluations and checkpoints still due (this step's too: they run after its log line) at
+    their mean duration so far (spent: lists of seconds; none counted until one was timed)."""
+    mean = {k: sum(v) / len(v) if v else 0.0 for k, v in spent.items()}
+    last = cfg["max_steps"]
+    return ((last - step) * step_s + steps_due(step, last, cfg["eval_interval"]) * mean["eval_s"]
+            + steps_due(step, last, cfg["ckpt_interval"], cfg["keep_steps"]) * mean["ckpt_s"])
 
 
 # ----------------------------------------------------------------------------- model and optimizer
@@ -763,6 +789,50 @@ def log0(*args):
         print(*args, flush=True)
 
 
+def scalars(row, prefix=""):
+    """(name, number) pairs of a metrics.jsonl row, nested keys joined by "/" (weights/<matrix>/
+    stable_rank, expert_load/<layer>/<expert>); the step is the x axis, not a curve."""
+    for key, value in row.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, (dict, list)):
+            yield from scalars(value if isinstance(value, dict) else dict(enumerate(value)), name + "/")
+        elif isinstance(value, (int, float)) and name != "step":  # None: not measured (MFU)
+            yield name, value
+
+
+class Curves:
+    """metrics.jsonl's rows as live curves in TensorBoard (tensorboard_dir) and/or wandb (wandb_log).
+    metrics.jsonl stays the record; this only mirrors it, on rank 0."""
+
+    def __init__(self, cfg, resumed_step):
+        self.writer = self.run = None
+        if cfg["tensorboard_dir"]:
+            from torch.utils.tensorboard import SummaryWriter
+            # A resumed run redoes the steps after its checkpoint: purge_step hides the killed
+            # run's copies of them, as truncate_metrics drops them from metrics.jsonl.
+            self.writer = SummaryWriter(cfg["tensorboard_dir"],
+                                        purge_step=None if resumed_step is None else resumed_step + 1)
+        if cfg["wandb_log"]:
+            import wandb
+            self.run = wandb.init(project=cfg["wandb_project"], dir=cfg["out_dir"], config=cfg,
+                                  name=cfg["wandb_run_name"] or os.path.basename(os.path.abspath(cfg["out_dir"])))
+
+    def log(self, row):
+        values = dict(scalars(row))
+        if self.writer:
+            for name, value in values.items():
+                self.writer.add_scalar(name, value, row["step"])
+            self.writer.flush()  # like metrics.jsonl: on disk when the row is logged
+        if self.run:
+            self.run.log(values, step=row["step"])
+
+    def close(self):
+        if self.writer:
+            self.writer.close()
+        if self.run:
+            self.run.finish()
+
+
 def print_plan(cfg, world):
     mcfg = model_config(cfg, "cuda")
     with torch.device("meta"):
@@ -880,20 +950,32 @@ def train(cfg):
             log0(format_report(init_report))
         truncate_metrics(metrics_path, step if resumed else -1)  # no checkpoint: everything is redone
     metrics = open(metrics_path, "a") if rank == 0 else None
+    curves = Curves(cfg, step if done else None) if rank == 0 else None
+    spent = {"eval_s": [], "ckpt_s": []}  # durations of evaluations and checkpoints, for the ETA
 
     def record(row):
         if rank == 0:
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
+            curves.log(row)
 
     if changes:
         record({"step": step, "resume_changes": changes})
 
     def evaluate_and_record():
+        t0 = time.time()
         val = evaluate(net, val_loader, cfg, device)
-        row = {"step": step, "val_loss": val, "weights": weight_structure(net, track)}
+        row = {"step": step, "val_loss": val, "weights": weight_structure(net, track), "eval_s": time.time() - t0}
+        spent["eval_s"].append(row["eval_s"])
         log0(f"step {step}: val loss {val:.4f}")
         record(row)
+
+    def checkpoint_and_record():
+        t0 = time.time()
+        path = save_checkpoint(cfg, step, net, opt, loader, meta_common, last_ckpt)
+        spent["ckpt_s"].append(time.time() - t0)
+        record({"step": step, "ckpt_s": spent["ckpt_s"][-1]})
+        return path
 
     peak, source = matmul_peak(cfg, device)
     log0(f"MFU against a peak of {peak / 1e12:.3g} TFLOP/s per device ({source})" if peak else
@@ -904,7 +986,7 @@ def train(cfg):
     if step == 0:
         evaluate_and_record()
         if 0 in cfg["keep_steps"]:
-            last_ckpt = save_checkpoint(cfg, step, net, opt, loader, meta_common, last_ckpt)
+            last_ckpt = checkpoint_and_record()
             log0(f"saved {last_ckpt} (the init)")
     train_time, step_log, time_log = 0.0, step, 0.0  # training time only: no eval/checkpoints
     while step < cfg["max_steps"]:
@@ -951,7 +1033,7 @@ def train(cfg):
         train_time += time.time() - t0
         if step % cfg["log_interval"] == 0 or step == cfg["max_steps"]:
             tps = tokens_step * (step - step_log) / (train_time - time_log)
-            eta = (cfg["max_steps"] - step) * tokens_step / tps
+            eta = eta_seconds(cfg, step, tokens_step / tps, spent)
             row = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": norm_val, "tokens_per_s": tps,
                    "mfu": fpt * tps / (peak * world) if peak else None, "mem_gib": memory_used(device),
                    "eta_s": eta, "tokens": step * tokens_step}
@@ -967,10 +1049,11 @@ def train(cfg):
         if step % cfg["eval_interval"] == 0 or step == cfg["max_steps"]:
             evaluate_and_record()
         if step % cfg["ckpt_interval"] == 0 or step == cfg["max_steps"] or step in cfg["keep_steps"]:
-            last_ckpt = save_checkpoint(cfg, step, net, opt, loader, meta_common, last_ckpt)
+            last_ckpt = checkpoint_and_record()
             log0(f"saved {last_ckpt}")
     if metrics:
         metrics.close()
+        curves.close()
 
 
 def memory_used(device):

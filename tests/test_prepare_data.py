@@ -220,6 +220,163 @@ def test_bad_source_specs_are_one_line_errors(tmp_path):
         P.main(["text", "--out", str(tmp_path / "o"), "--workers", "1", "--source", f"a={path}"])
 
 
+# ---------------------------------------------------------------- data stored the way `datasets` users store it
+
+
+def encoded(texts):
+    """The byte tokenizer's documents, encoded here independently: UTF-8 bytes, then eot (256)."""
+    return sorted(tuple(t.encode("utf-8")) + (256,) for t in texts)
+
+
+def split_documents(out, split):
+    """The documents of a prepared split as token tuples, each ending with its eot."""
+    stream = split_stream(out, split).tolist()
+    cuts = [i + 1 for i, t in enumerate(stream) if t == 256]
+    assert cuts and cuts[-1] == len(stream)
+    return sorted(tuple(stream[a:b]) for a, b in zip([0] + cuts, cuts))
+
+
+@pytest.fixture
+def splits():
+    """Texts of three splits; no text appears in two of them."""
+    return {"train": random_docs(40, "abcdef ", seed=20), "test": random_docs(10, "uvwxyz ", seed=21),
+            "validation": random_docs(10, "ghijkl ", seed=22)}
+
+
+def write_readme_layout(root, splits):
+    """The hub layout: data/{split}-00000-of-00001.parquet and a README.md declaring the config
+    `default` with train and test, and a second config `val_only` with the validation file."""
+    import datasets
+    (root / "data").mkdir(parents=True)
+    for split, texts in splits.items():
+        datasets.Dataset.from_dict({"text": texts}).to_parquet(str(root / "data" / f"{split}-00000-of-00001.parquet"))
+    (root / "README.md").write_text(
+        "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: data/train-*\n"
+        "  - split: test\n    path: data/test-*\n- config_name: val_only\n  data_files:\n"
+        "  - split: train\n    path: data/validation-*\n---\n# a dataset card\n")
+
+
+def write_file_name_layout(root, splits):
+    """No README: datasets assigns splits from the file names; gzipped json lines. datasets reads
+    one format per folder (the most common), so notes.txt is passed over."""
+    import datasets
+    (root / "data").mkdir(parents=True)
+    for split, texts in splits.items():
+        datasets.Dataset.from_dict({"text": texts}).to_json(str(root / "data" / f"{split}.jsonl.gz"), compression="gzip")
+    (root / "data" / "notes.txt").write_text("not part of the dataset\n")
+
+
+@pytest.mark.parametrize("write", [write_readme_layout, write_file_name_layout])
+def test_hub_layout_folder_reads_exactly_one_split(tmp_path, splits, capsys, write):
+    write(tmp_path / "hub", splits)
+    meta = prepare(tmp_path / "default", f"h={tmp_path / 'hub'}", val_fraction=0)
+    assert split_documents(tmp_path / "default", "train") == encoded(splits["train"])  # no test text leaks in
+    assert meta["source_stats"]["h"]["split"] == "train"
+    out, err = capsys.readouterr()
+    assert f"(split 'train' of {tmp_path / 'hub'})" in out
+    unread = "1 data files in" in err and f"are not read, e.g. {tmp_path / 'hub' / 'data' / 'notes.txt'}" in err
+    assert unread == (write is write_file_name_layout)
+    prepare(tmp_path / "test", f"h={tmp_path / 'hub'},split=test", val_fraction=0)
+    assert split_documents(tmp_path / "test", "train") == encoded(splits["test"])
+    assert f"(split 'test' of {tmp_path / 'hub'})" in capsys.readouterr().out
+    if write is write_readme_layout:  # a second config of the card
+        prepare(tmp_path / "cfg", f"h={tmp_path / 'hub'},config=val_only", val_fraction=0)
+        assert split_documents(tmp_path / "cfg", "train") == encoded(splits["validation"])
+    with pytest.raises(SystemExit, match=r"no split 'dev'; datasets finds \[.*'test'.*\].*pass split=NAME"):
+        prepare(tmp_path / "x", f"h={tmp_path / 'hub'},split=dev")
+
+
+def test_save_to_disk_folders(tmp_path, splits, capsys):
+    import datasets
+    datasets.DatasetDict({k: datasets.Dataset.from_dict({"body": v}) for k, v in splits.items()}).save_to_disk(
+        str(tmp_path / "dict"))
+    datasets.Dataset.from_dict({"text": splits["test"]}).save_to_disk(str(tmp_path / "one"))
+    for split in ("train", "validation"):
+        option = "" if split == "train" else f",split={split}"
+        prepare(tmp_path / split, f"d={tmp_path / 'dict'},field=body{option}", val_fraction=0)
+        assert split_documents(tmp_path / split, "train") == encoded(splits[split])
+    meta = prepare(tmp_path / "whole", f"d={tmp_path / 'one'}", val_fraction=0)  # one Dataset: read whole
+    assert split_documents(tmp_path / "whole", "train") == encoded(splits["test"])
+    assert meta["source_stats"]["d"]["split"] is None and f"(all of {tmp_path / 'one'})" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"no split 'dev'; it has \['test', 'train', 'validation'\]"):
+        prepare(tmp_path / "x", f"d={tmp_path / 'dict'},field=body,split=dev")
+    with pytest.raises(SystemExit, match="has no splits, it is read whole.*drop it"):
+        prepare(tmp_path / "x", f"d={tmp_path / 'one'},split=test")
+
+
+def test_compressed_json_and_parquet_files(tmp_path):
+    import gzip
+
+    import datasets
+    texts = random_docs(30, "abcdefgh ", seed=23) + ["ünïcödé 世界"]
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    with gzip.open(tmp_path / "b.json.gz", "wt", encoding="utf-8") as f:
+        json.dump([{"text": t} for t in texts], f)
+    datasets.Dataset.from_dict({"text": texts}).to_parquet(str(tmp_path / "c.parquet"))
+    for name in ("a.jsonl.gz", "b.json.gz", "c.parquet"):
+        prepare(tmp_path / name.replace(".", "_"), f"s={tmp_path / name}", val_fraction=0)
+        assert split_documents(tmp_path / name.replace(".", "_"), "train") == encoded(texts), name
+
+
+def one_line_error(out, *sources):
+    """The message main() exits with: one line, 'error: ...'."""
+    with pytest.raises(SystemExit) as e:
+        prepare(out, *sources)
+    message = str(e.value)
+    assert message.startswith("error: ") and "\n" not in message
+    return message
+
+
+def test_bad_files_are_one_line_errors_naming_file_problem_and_fix(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    message = one_line_error(tmp_path / "o", f"a={tmp_path / 'empty.jsonl'}")
+    assert f"{tmp_path / 'empty.jsonl'} is empty" in message and "remove it" in message
+    (tmp_path / "ints.jsonl").write_text('{"text": "fine"}\n{"text": 42}\n')
+    message = one_line_error(tmp_path / "o", f"a={tmp_path / 'ints.jsonl'}")
+    assert "record 1 has text=42 (int), not text" in message and "field=" in message
+    latin = "Café, crème brûlée et œufs à la coque.\n"
+    (tmp_path / "latin.txt").write_bytes(latin.encode("cp1252"))
+    message = one_line_error(tmp_path / "o", f"a={tmp_path / 'latin.txt'}")
+    assert f"{tmp_path / 'latin.txt'} is not utf-8 text (byte 0xe9" in message and "encoding=" in message
+    prepare(tmp_path / "fixed", f"a={tmp_path / 'latin.txt'},encoding=cp1252", val_fraction=0)  # the fix works
+    assert split_documents(tmp_path / "fixed", "train") == encoded([latin])
+    import datasets
+    datasets.Dataset.from_dict({"text": [latin]}).to_parquet(str(tmp_path / "p.parquet"))
+    message = one_line_error(tmp_path / "o", f"a={tmp_path / 'p.parquet'},encoding=cp1252")
+    assert "encoding= applies to .txt/.json files, this is parquet data" in message
+    assert "unknown encoding 'latin-9000'" in one_line_error(tmp_path / "o", f"a={tmp_path / 'latin.txt'},encoding=latin-9000")
+
+
+def test_hub_id_without_network_is_a_one_line_error(tmp_path):
+    # HF_HUB_OFFLINE makes huggingface_hub fail as a machine without network does, without retries
+    run = subprocess.run([sys.executable, "prepare_data.py", "text", "--out", str(tmp_path / "o"), "--source",
+                          "fw=hf:HuggingFaceFW/fineweb-edu,max_tokens=1M"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 1 and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    message = run.stderr.strip()
+    assert "cannot reach the Hugging Face Hub for 'HuggingFaceFW/fineweb-edu'" in message
+    assert "--local-dir DIR" in message and "--source fw=DIR" in message and "HF_HUB_OFFLINE" in message
+
+
+def test_progress_is_plain_lines_when_not_a_terminal(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", random_docs(50, "abcdefgh ", seed=24))
+    run = subprocess.run([sys.executable, "prepare_data.py", "text", "--out", str(tmp_path / "o"), "--workers", "1",
+                          "--source", f"a={path}", "--max-tokens", "2000"], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "\r" not in run.stderr
+    bars = [line for line in run.stderr.splitlines() if line.startswith("tokenizing a:")]
+    assert len(bars) >= 2 and "2.00k/2.00k" in bars[-1] and "100%" in bars[-1]  # the cap is the bar's total
+    lines = []
+    sys.stderr, saved = type("Log", (), {"write": lambda self, s: lines.append(s), "flush": lambda self: None,
+                                         "isatty": lambda self: False})(), sys.stderr
+    try:
+        assert list(P.progress_bar(range(7), desc="eval")) == list(range(7))
+    finally:
+        sys.stderr = saved
+    assert all(line.endswith("\n") and "\r" not in line for line in lines) and "7/7" in lines[-1]
+
+
 # ---------------------------------------------------------------- mixture and split
 
 

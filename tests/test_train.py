@@ -3,6 +3,7 @@ loss falls, grad accumulation and 2-rank FSDP2 match one process, exact resume a
 resume on another world size, compile matches eager, NaN guard, export."""
 import copy
 import glob
+import importlib.util
 import json
 import math
 import os
@@ -10,6 +11,7 @@ import random
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -53,9 +55,9 @@ def command(args, nproc):
             "train.py", *args]
 
 
-def run_train(args, nproc=1, ok=True):
+def run_train(args, nproc=1, ok=True, env=None):
     p = subprocess.run(command(args, nproc), cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     if ok:
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p
@@ -389,3 +391,149 @@ def test_half_written_metrics_row_and_missing_export_folder(tmp_path):
     assert path.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n'
     with pytest.raises(ValueError, match="not a complete checkpoint folder"):
         train.export(str(tmp_path / "ckpt_00000099"), str(tmp_path / "x.pt"))
+
+
+# ----------------------------------------------------------------------------- ETA and live curves
+def test_eta_counts_the_evaluations_and_checkpoints_still_due():
+    cfg = {"max_steps": 100, "eval_interval": 30, "ckpt_interval": 40, "keep_steps": [0, 45, 80, 100]}
+    spent = {"eval_s": [2.0, 4.0], "ckpt_s": [10.0]}
+    # after step 41: 59 steps; evaluations at 60, 90, 100; checkpoints at 45 (kept), 80, 100
+    assert train.eta_seconds(cfg, 41, 0.5, spent) == 59 * 0.5 + 3 * 3.0 + 3 * 10.0
+    # at step 90 its own evaluation is still due (it runs after the log line), then 100's
+    assert train.eta_seconds(cfg, 90, 0.5, spent) == 10 * 0.5 + 2 * 3.0 + 1 * 10.0
+    assert train.eta_seconds(cfg, 41, 0.5, {"eval_s": [], "ckpt_s": []}) == 59 * 0.5  # nothing timed yet
+    rng = random.Random(0)
+    for _ in range(500):  # the closed form against counting step by step
+        last, interval = rng.randint(1, 60), rng.randint(1, 25)
+        first, extra = rng.randint(1, last), rng.sample(range(last + 1), min(last + 1, rng.randint(0, 5)))
+        want = sum(s % interval == 0 or s == last or s in extra for s in range(first, last + 1))
+        assert train.steps_due(first, last, interval, extra) == want
+
+
+HAS_WANDB = importlib.util.find_spec("wandb") is not None
+HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
+
+
+@pytest.fixture(scope="module")
+def curves_run(data_dir, tmp_path_factory):
+    """6 steps whose time goes mostly to evaluation (30 validation batches every 2 steps against
+    one training batch a step), logged to TensorBoard and, when installed, to wandb offline; then
+    resumed from its step-3 checkpoint, which redoes steps 4-6. Returns the run folder and the
+    first run's metrics rows."""
+    out = tmp_path_factory.mktemp("curves") / "run"
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=6", "--eval_interval=2",
+            "--eval_batches=30", "--ckpt_interval=3", "--keep_steps=[0]", "--keep_last=5"]
+    args += [f"--tensorboard_dir={out / 'tb'}"] if HAS_TENSORBOARD else []
+    wandb = ["--wandb_log=True", "--wandb_project=smallinit-test", "--wandb_run_name=curves-probe"] if HAS_WANDB else []
+    run_train([*args, *wandb], env={"WANDB_MODE": "offline"})
+    first = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    shutil.rmtree(out / "ckpt_00000006")
+    assert "resumed from" in run_train(args).stdout
+    return out, first
+
+
+@pytest.mark.slow
+def test_eta_includes_evaluation_time(curves_run):
+    _, metrics = curves_run
+    tokens_step = 4 * 32
+    # hand count, steps 1..6: evaluations at 2, 4, 6 and checkpoints at 3, 6 still due at each log
+    evals_due = {1: 3, 2: 3, 3: 2, 4: 2, 5: 1, 6: 1}
+    ckpts_due = {1: 2, 2: 2, 3: 2, 4: 1, 5: 1, 6: 1}
+    train_rows = [r for r in metrics if "loss" in r]
+    assert [r["step"] for r in train_rows] == list(range(1, 7))
+    for r in train_rows:
+        k = r["step"]
+        evals = [e["eval_s"] for e in metrics if "eval_s" in e and e["step"] < k]  # timed before this log
+        ckpts = [c["ckpt_s"] for c in metrics if "ckpt_s" in c and c["step"] < k]
+        hand = ((6 - k) * tokens_step / r["tokens_per_s"] + evals_due[k] * sum(evals) / len(evals)
+                + ckpts_due[k] * sum(ckpts) / len(ckpts))
+        assert r["eta_s"] == pytest.approx(hand, rel=1e-9), k
+    # the run this test is about: at step 1 the 3 evaluations still due take longer than the 5
+    # training steps, so an ETA of training steps alone would be less than half the truth
+    first, step0_eval = train_rows[0], metrics[0]["eval_s"]
+    assert 3 * step0_eval > 5 * tokens_step / first["tokens_per_s"]
+    assert first["eta_s"] > 2 * 5 * tokens_step / first["tokens_per_s"]
+
+
+def logged_scalars(rows_):
+    """{curve name: {step: value}} that the loggers must show for metrics rows, flattened here."""
+    want = {}
+    for row in rows_:
+        for key, value in row.items():
+            if key == "weights":
+                for matrix, stats in value.items():
+                    for stat, v in stats.items():
+                        want.setdefault(f"weights/{matrix}/{stat}", {})[row["step"]] = v
+            elif key != "step" and value is not None:
+                want.setdefault(key, {})[row["step"]] = value
+    return want
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is not installed (optional: pip install tensorboard)")
+def test_tensorboard_scalars_equal_metrics_rows(curves_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out, _ = curves_run
+    acc = EventAccumulator(str(out / "tb"))
+    acc.Reload()
+    want = logged_scalars(json.loads(line) for line in open(out / "metrics.jsonl"))
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "mfu", "val_loss", "eta_s",
+            "weights/layers.1.attn.wq.weight/stable_rank", "weights/layers.0.mlp.w_up.weight/mean_abs_cos"} <= set(want)
+    assert set(acc.Tags()["scalars"]) == set(want)
+    for name, by_step in want.items():
+        events = acc.Scalars(name)
+        # each step once: the resumed run's purge_step hid the first run's steps 4-6
+        assert sorted(e.step for e in events) == sorted(by_step), name
+        for e in events:
+            assert e.value == pytest.approx(by_step[e.step], rel=1e-6), (name, e.step)  # stored as float32
+
+
+def wandb_records(path):
+    """The protobuf records of a .wandb file: W&B's LevelDB-style log (a 7-byte header, then 32 KiB
+    blocks of records with a 7-byte head: crc32, length, type full=1/first=2/middle=3/last=4)."""
+    from wandb.proto import wandb_internal_pb2
+    data, pos, pending = open(path, "rb").read(), 7, b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        room = 32768 - pos % 32768
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if room < 7 or kind == 0:  # the block's zero padding
+            pos += room
+            continue
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_WANDB, reason="wandb is not installed (optional: pip install wandb)")
+def test_wandb_offline_run_holds_metrics_rows(curves_run):
+    out, metrics = curves_run
+    (path,) = glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb"))
+    history, names = {}, []
+    for record in wandb_records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            names.append((record.run.project, record.run.display_name))
+        elif kind == "history":
+            # the name is in `key`, or (as wandb 0.31 writes it) as a path in `nested_key`
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            history[items["_step"]] = items
+    assert names == [("smallinit-test", "curves-probe")]
+    want = logged_scalars(metrics)
+    assert sorted(history) == sorted({step for by_step in want.values() for step in by_step})
+    for name, by_step in want.items():
+        for step, value in by_step.items():
+            assert history[step][name] == pytest.approx(value, rel=1e-12), (name, step)
+    # nothing else was logged but wandb's own bookkeeping
+    assert {k for h in history.values() for k in h if not k.startswith("_")} == set(want)
+
+
+@pytest.mark.parametrize("key, package", [("--tensorboard_dir=tb", "tensorboard"), ("--wandb_log=True", "wandb")])
+def test_missing_logger_package_fails_at_start_up(monkeypatch, key, package):
+    monkeypatch.setitem(sys.modules, package, None)  # import (and find_spec) now see no such package
+    with pytest.raises(ValueError, match=f"needs the {package} package: pip install {package}"):
+        train.load_config([key])  # the config check, before any data, model or training step
