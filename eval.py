@@ -669,6 +669,41 @@ def plot_sweep(result, x_key, path):
     plt.close(fig)
 
 
+# Per-row tables that `report` averages over seeds: (rows of a result, key column, columns).
+SEED_TABLES = {
+    "tokens": (lambda r: r["rows"], "bucket", ("mean_delta_sym", "win_rate_a", "loss_a", "loss_b")),
+    "weights": (lambda r: r["trajectory"], "step",
+                ("wq:mean_abs_cos", "wq:stable_rank", "w_up:mean_abs_cos", "w_up:stable_rank")),
+}
+
+
+def seed_groups(items):
+    """Result files whose names differ only in a seedN part are seeds of one comparison:
+    {name without it: [(path, result), ...]}."""
+    groups = {}
+    for path, result in items:
+        name = re.sub(r"[-_]?seed\d+", "", os.path.splitext(os.path.basename(path))[0])
+        groups.setdefault(name, []).append((path, result))
+    return groups
+
+
+def rows_over_seeds(results, rows_of, key, columns):
+    """One line per key (bucket, step) with each column as mean ± std over the results that
+    have that key."""
+    by_key = {}
+    for result in results:
+        for row in rows_of(result):
+            by_key.setdefault(row[key], []).append(row)
+    out = []
+    for k, rows in by_key.items():
+        line = {key: k, "seeds": len(rows)}
+        for c in columns:
+            mean, std, _ = mean_interval([r[c] for r in rows if c in r])
+            line[c] = f"{mean:.4f}" + ("" if std is None else f" ± {std:.4f}")
+        out.append(line)
+    return out
+
+
 def run_report(args):
     groups = {}
     for path in args.results:
@@ -686,6 +721,10 @@ def run_report(args):
     for analysis, items in groups.items():
         lines += [f"### {analysis}", "", format_table([{"file": os.path.basename(p), **r["summary"]} for p, r in items],
                                                       markdown=True), ""]
+        if analysis in SEED_TABLES:
+            for name, seeds in seed_groups(items).items():
+                lines += [f"{analysis} of {name} over {len(seeds)} seed file(s), mean ± std:", "",
+                          format_table(rows_over_seeds([r for _, r in seeds], *SEED_TABLES[analysis]), markdown=True), ""]
         lines += [f"![{analysis}]({os.path.relpath(plot, os.path.dirname(os.path.abspath(args.out)))})"
                   for _, r in items for plot in r.get("plots", [])]
     text = "\n".join(lines) + "\n"

@@ -155,3 +155,18 @@ def test_t_quantiles_against_numerical_integration():
         x = np.linspace(0, t, 200001)
         pdf = math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2)) * (1 + x**2 / df) ** (-(df + 1) / 2)
         assert 0.5 + np.trapezoid(pdf, x) == pytest.approx(0.975, abs=3e-5), df  # 3-decimal table: CDF within 2.5e-5
+
+
+def test_report_averages_token_buckets_over_seed_files(tmp_path):
+    def tokens(deltas):
+        return {"analysis": "tokens", "summary": {"mean_delta_sym": sum(deltas) / 2},
+                "rows": [{"bucket": b, "mean_delta_sym": d, "win_rate_a": 0.5, "loss_a": 1.0, "loss_b": 1.0 + d}
+                         for b, d in enumerate(deltas)]}
+    for name, deltas in (("a_vs_b_seed0", [0.1, 0.3]), ("a_vs_b_seed1", [0.3, 0.3]), ("c_vs_b_seed0", [9.0, 9.0])):
+        (tmp_path / f"{name}.json").write_text(json.dumps(tokens(deltas)))
+    ev.main(["report", *sorted(str(p) for p in tmp_path.glob("*.json")), "--out", str(tmp_path / "r.md")])
+    text = (tmp_path / "r.md").read_text()
+    # bucket 0 of a_vs_b: 0.1 and 0.3 -> 0.2 ± 0.1414; c_vs_b is its own group, never mixed in
+    assert "tokens of a_vs_b over 2 seed file(s)" in text and "| 0 | 2 | 0.2000 ± 0.1414 |" in text
+    assert "| 1 | 2 | 0.3000 ± 0.0000 |" in text and "tokens of c_vs_b over 1 seed file(s)" in text
+    assert "| 0 | 1 | 9.0000 |" in text
