@@ -644,27 +644,34 @@ def sweep_table(result):
 
 
 def plot_sweep(result, x_key, path):
-    """Loss (mean ± std over seeds, and every seed as a dot) against one setting, a line per arm
-    when the arms differ in something else."""
+    """Loss (mean ± std over seeds, every seed a gray dot) against one setting: a line per arm, or
+    one line across the arms when each arm is a value of that setting (a γ sweep whose arms carry
+    their own tuned lr). x_key "arm": the arms as categories (ablations)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    series = {}
+    series, arms = {}, list(dict.fromkeys(row["arm"] for row in result["rows"]))
     for row in result["rows"]:
-        label = result["name"] if x_key in row["arm_set"] else row["arm"]
-        series.setdefault(label, {}).setdefault(config_value(row["config"], x_key), []).append(
-            row["eval"]["loss"]["summary"]["loss"])
+        if x_key == "arm":
+            label, x = "arms", arms.index(row["arm"])
+        else:
+            label, x = (result["name"] if x_key in row["arm_set"] else row["arm"]), config_value(row["config"], x_key)
+        series.setdefault(label, {}).setdefault(x, []).append(row["eval"]["loss"]["summary"]["loss"])
     for label, points in series.items():
         xs = sorted(points)
         stats = [mean_interval(points[x]) for x in xs]
-        ax.errorbar(xs, [s[0] for s in stats], yerr=[s[1] or 0 for s in stats], marker="o", capsize=3, label=label)
+        ax.errorbar(xs, [s[0] for s in stats], yerr=[s[1] or 0 for s in stats], marker="o", capsize=3, label=label,
+                    linestyle="none" if x_key == "arm" else "-")
         for x in xs:
             ax.scatter([x] * len(points[x]), points[x], s=8, color="gray", zorder=3)
-    if all(isinstance(x, float) and x > 0 for pts in series.values() for x in pts) and x_key in ("lr", "model.norm_eps"):
+    if x_key == "arm":
+        ax.set_xticks(range(len(arms)), arms, rotation=20)
+    elif x_key in ("lr", "model.norm_eps"):
         ax.set_xscale("log")
     ax.set_xlabel(x_key)
     ax.set_ylabel("validation loss (eval.py loss)")
     ax.set_title(result["name"])
-    ax.legend(fontsize=8)
+    if x_key != "arm":
+        ax.legend(fontsize=8)
     save_figure(fig, path)
     plt.close(fig)
 
@@ -1145,7 +1152,7 @@ def build_parser():
                 runs_model=False)
     p.add_argument("results", nargs="+")
     p.add_argument("--out", default="report.md")
-    p.add_argument("--plot-x", help="sweeps: plot loss against this setting (e.g. gamma, lr) beside each results JSON")
+    p.add_argument("--plot-x", help="sweeps: plot loss against this setting (gamma, lr, ...; 'arm': arms as categories) beside each results JSON")
     p = command("sample", run_sample, "print continuations of a prompt", output=False)
     p.add_argument("--tokenizer-dir", help="offline tokenizer files (prepare_data.py --tokenizer-dir)")
     p.add_argument("--prompt", default="\n")

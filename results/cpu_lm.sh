@@ -51,3 +51,23 @@ $SWEEP --name gamma_lr --grid gamma=0.3,0.5,0.75,1.25,1.5 --grid lr=$GAMMA_LRS -
 arms=()
 for g in 0.3 0.5 0.75 1.25 1.5; do arms+=(--arm "gamma$g=,gamma=$g,lr=$(best_lr results/gamma_lr.json base $g)"); done
 $SWEEP --name gamma --seeds 0,1,2 "${arms[@]}"
+
+# 4. Condensation: weight structure over the settings runs' kept checkpoints (steps 0..320).
+mkdir -p results/condensation results/tokens
+for arm in recipe baseline; do
+    for s in 0 1 2; do python eval.py weights out/sweeps/settings/$arm-seed$s --json-out results/condensation/$arm-seed$s.json; done
+    python eval.py weights out/sweeps/settings/$arm-seed0 --plot results/condensation/trajectory_$arm-seed0.png
+    for step in 00000010 00000320; do
+        python eval.py weights out/sweeps/settings/$arm-seed0/ckpt_$step --heatmap results/condensation/heatmap_$arm-seed0_step${step#0000}.png
+    done
+done
+# 5. Token level: Δsym of the recipe over the baseline by difficulty bucket, per seed.
+for s in 0 1 2; do
+    python eval.py tokens out/sweeps/settings/recipe-seed$s out/sweeps/settings/baseline-seed$s --tokens 262144 \
+        --json-out results/tokens/recipe_vs_baseline_seed$s.json
+done
+# The README tables and plots.
+python eval.py report results/lr_tune.json --plot-x lr --out results/report_lr.md
+python eval.py report results/settings.json results/layernorm.json --plot-x arm --out results/report_settings.md
+python eval.py report results/gamma_lr.json results/gamma.json --plot-x gamma --out results/report_gamma.md
+python eval.py report results/condensation/*.json results/tokens/*.json --out results/report_analyses.md
