@@ -64,7 +64,7 @@ done
 # 5. Token level: Δsym of the recipe over the baseline by difficulty bucket, per seed.
 for s in 0 1 2; do
     python eval.py tokens out/sweeps/settings/recipe-seed$s out/sweeps/settings/baseline-seed$s --tokens 262144 \
-        --json-out results/tokens/recipe_vs_baseline_seed$s.json
+        --json-out results/tokens/recipe_vs_baseline_seed$s.json $( [ $s = 0 ] && echo --plot results/tokens/recipe_vs_baseline_seed0.png )
 done
 # The README tables and plots.
 python eval.py report results/lr_tune.json --plot-x lr --out results/report_lr.md
