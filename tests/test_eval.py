@@ -422,14 +422,17 @@ def export(model, path, step=0, data_dir=None, **config):
 
 
 def save_dcp(model, folder, step):
-    """A train.py checkpoint folder: DCP files with "model.*" and "optim.*" entries + meta.json."""
+    """A train.py checkpoint folder: DCP files with "model.*" and "optim.*" entries, the rank's
+    rng file and meta.json (what train.checkpoint_problem requires of a complete one)."""
     import torch.distributed.checkpoint as dcp
     from dataclasses import asdict
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")  # single process on purpose
         dcp.save({"model": model.state_dict(), "optim": {"lr": torch.tensor(1e-3)}}, checkpoint_id=str(folder))
+    torch.save({"cpu": torch.get_rng_state(), "cuda": None}, os.path.join(folder, "rng_rank0.pt"))
     with open(os.path.join(folder, "meta.json"), "w") as f:
-        json.dump({"step": step, "config": {}, "model_config": asdict(model.cfg), "data_meta": BYTES_META}, f)
+        json.dump({"step": step, "world_size": 1, "config": {}, "model_config": asdict(model.cfg),
+                   "data_meta": BYTES_META}, f)
     return str(folder)
 
 
