@@ -6,6 +6,7 @@ Pretrain a GPT from model.py with γ-init (init.py) on token shards from prepare
     torchrun --nproc_per_node=8 train.py config/gamma1_1p5b.py  # one node, FSDP2
     python train.py config/gamma1_1p5b.py --dry_run=8           # plan for 8 GPUs, no GPU needed
     python train.py export out/run/ckpt_00001000 model.pt       # consolidated single file
+    python train.py export out/run/ckpt_00001000 hf_dir --format hf   # HF transformers folder
 
 Configuration: the module-level names below are the defaults; each config file given on the
 command line is executed over them; then `--key=value` (a Python literal, else a string) and
@@ -666,9 +667,21 @@ def truncate_metrics(path, step):
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["export"]:
-        if len(sys.argv) != 4:
-            raise SystemExit("usage: python train.py export <ckpt_dir> <file.pt>")
-        export(sys.argv[2], sys.argv[3])
+        import argparse
+        p = argparse.ArgumentParser(prog="train.py export", description="one file (pt) or a HF transformers folder (hf)")
+        p.add_argument("ckpt", help="checkpoint folder (hf: also a .pt export or a run folder)")
+        p.add_argument("out", help="pt: the file to write; hf: the folder")
+        p.add_argument("--format", choices=["pt", "hf"], default="pt")
+        p.add_argument("--tokenizer-dir", help="hf: offline tiktoken files (prepare_data.py --tokenizer-dir)")
+        a = p.parse_args(sys.argv[2:])
+        if a.format == "pt":
+            export(a.ckpt, a.out)
+        else:
+            from hf_export import export_hf
+            try:
+                export_hf(a.ckpt, a.out, a.tokenizer_dir)
+            except (ValueError, FileNotFoundError) as e:  # bad input: one line naming the fix
+                raise SystemExit(f"export: {e}") from None
     else:
         config = load_config(sys.argv[1:])
         if config["dry_run"]:
