@@ -157,3 +157,16 @@ def test_missing_package_is_one_line_naming_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)  # import fails as if not installed
     with pytest.raises(ValueError, match=r"needs the `safetensors` package .*pip install safetensors$"):
         export_hf(str(tmp_path / "m.pt"), str(tmp_path / "hf"))
+
+
+def test_a_tiktoken_run_offline_without_tokenizer_dir_is_one_line(tmp_path, monkeypatch):
+    import tiktoken
+
+    def offline(name):
+        raise ConnectionError("no network")
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    model = trained_looking_model(vocab_size=50304, attn_gate="none")
+    save_export(model, tmp_path / "m.pt", tokenizer="gpt2", eot_id=50256)
+    with pytest.raises(SystemExit, match=r"could not download tokenizer 'gpt2'.*--tokenizer-dir"):
+        export_hf(str(tmp_path / "m.pt"), str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()  # nothing half-written
