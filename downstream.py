@@ -446,8 +446,9 @@ def score_completion(task, convention, record, text, verifier):
 def generation_bench(model, tokenizer, args):
     encode, decode, eot_id = tokenizer
     convention = gsm8k_convention(args.fewshot_source, args.shots) if args.task == "gsm8k" else MINERVA
-    if args.task == "math500" and args.shots not in (None, 4):
-        raise ValueError("--shots: MATH-500 is scored with the published Minerva 4-shot prompt; drop --shots")
+    if args.task == "math500" and (args.shots not in (None, 4) or args.fewshot_source):
+        raise ValueError("--shots/--fewshot-source: MATH-500 is scored with the published Minerva 4-shot prompt; "
+                         "drop them")
     verifier = math_verifier() if args.task == "math500" else None
     records = read_math_records(args.source, args.task)[:args.limit]
     room, marker = model.cfg.max_seq_len - args.max_new_tokens, convention["stop"]

@@ -15,7 +15,6 @@ import importlib
 import os
 import re
 import shutil
-import sys
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 MODELING_FILE = "modeling_smallinit.py"
@@ -74,7 +73,6 @@ def model_config(cfg, eot_id):
         return LlamaConfig(**common, intermediate_size=cfg.d_ff, hidden_act="silu", head_dim=cfg.head_dim,
                            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
                            attention_bias=False, mlp_bias=False), "LlamaForCausalLM"
-    sys.path.insert(0, ROOT)
     from modeling_smallinit import SmallInitConfig
     config = SmallInitConfig(**common, intermediate_size=cfg.d_ff, mlp=cfg.mlp, attn_gate=cfg.attn_gate,
                              rope_theta=cfg.rope_theta, doc_mask=cfg.doc_mask, eot_id=cfg.eot_id,
