@@ -12,9 +12,11 @@ plots:
 	$(PYTHON) -m pip install -q matplotlib || echo "matplotlib could not be installed: plots will be skipped"
 
 # Packages only some tests use; a test whose package is missing skips, saying which.
-# transformers: init.py on Hugging Face models (tests/test_init_hf.py).
+# transformers: init.py on Hugging Face models (tests/test_init_hf.py) and the HF export.
+# safetensors: the HF export's weights. lm-eval (+ accelerate, which its hf model needs): the
+# HellaSwag parity test. math-verify: MATH-500's math_verify metric.
 # tensorboard, wandb: train.py's optional live curves (tests/test_train.py's logger tests).
-TEST_EXTRAS += transformers
+TEST_EXTRAS += transformers safetensors lm-eval accelerate math-verify
 TEST_EXTRAS += tensorboard wandb
 
 test-extras:

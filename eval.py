@@ -6,7 +6,7 @@
     python eval.py weights  CKPT [CKPT ...]            stable rank + row cosine (trajectory if several)
     python eval.py residual CKPT --data DIR            branch / residual RMS per layer
     python eval.py residual --init --widths 64 128 256 branch RMS exponent at init vs width
-    python eval.py bench    CKPT --task hellaswag|gsm8k|math500|anchor
+    python eval.py bench    CKPT --task hellaswag|gsm8k|math500|anchor   (downstream.py)
     python eval.py scaling  --baseline A.json ... --compare B.json ...   L(N) = a N^-α + c
     python eval.py report   results/*.json --out report.md
     python eval.py sample   CKPT --prompt "Once upon a time"
@@ -21,23 +21,19 @@ of them in step order). Every analysis prints tables, writes --json-out for mach
 in [−1, 1], antisymmetric in A and B, +1 when only A predicts the token.
 """
 import argparse
-import bz2
 import io
 import json
 import math
 import os
 import re
 import sys
-import time
-from fractions import Fraction
 
 import numpy as np
 import torch
 
 from model import (GPT, capture_attention, config_for, cosine_stats, document_ids, init_model_, row_cosines,
                    stable_rank, trace_residual)
-from prepare_data import (TokenLoader, anchor_accuracy, anchor_answer_kinds, atomic_write_bytes, get_tokenizer, load_meta,
-                          progress_bar, read_records, write_json)
+from prepare_data import TokenLoader, atomic_write_bytes, get_tokenizer, load_meta, progress_bar, write_json
 from train import find_checkpoints, load_model
 
 
@@ -740,232 +736,7 @@ def run_report(args):
     return None
 
 
-# Downstream benchmarks (`bench`) from here to anchor_scores: HellaSwag, GSM8K, MATH-500, anchor task.
-
-# ----------------------------------------------------------------------------- multiple choice (HellaSwag)
-
-def clean_hellaswag(text):
-    """The WikiHow markup clean-up of llama.cpp's text format (shared/data/README, HellaSwag),
-    so a published jsonl record and its text-format line score identically: [header], [step]
-    and [substeps] dropped, " [title]" -> ". ", other [title] marks dropped, double spaces
-    collapsed once, one leading and one trailing space trimmed."""
-    for mark in ("[header]", "[step]", "[substeps]"):
-        text = text.replace(mark, "")
-    text = text.replace(" [title]", ". ").replace("[title] ", "").replace("[title].", "")
-    text = text.replace("  ", " ")
-    text = text[1:] if text.startswith(" ") else text
-    return text[:-1] if text.endswith(" ") else text
-
-
-def hellaswag_tasks(records):
-    """Published records (jsonl or hub: activity_label, ctx, endings, label) as the tasks of the
-    text format, context = activity_label + ": " + ctx: every source is scored on the same text."""
-    return [{"ctx": f"{r['activity_label']}: {clean_hellaswag(r['ctx'])}",
-             "endings": [clean_hellaswag(e) for e in r["endings"]], "label": int(r["label"])} for r in records]
-
-
-def read_hellaswag(path):
-    """Tasks {ctx, endings, label} from the published jsonl or llama.cpp's 6-line text format
-    (context, label, four endings; see shared/data/README), optionally bz2-compressed."""
-    opener = bz2.open if path.endswith(".bz2") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        text = f.read()
-    if ".jsonl" in path:
-        return hellaswag_tasks(json.loads(line) for line in text.splitlines() if line.strip())
-    lines = text.rstrip("\n").split("\n")
-    if len(lines) % 6:
-        raise ValueError(f"{path}: {len(lines)} lines is not a multiple of 6; expected the HellaSwag "
-                         "text format (context, label, 4 endings per task) or a .jsonl file")
-    return [{"ctx": lines[i], "label": int(lines[i + 1]), "endings": lines[i + 2:i + 6]}
-            for i in range(0, len(lines), 6)]
-
-
-@torch.no_grad()
-def continuation_logprobs(model, context, continuations):
-    """Sum of log p(continuation tokens | context) and token count, for each continuation.
-
-    One padded batch; contexts longer than the model window lose their oldest tokens."""
-    window = model.cfg.max_seq_len + 1
-    seqs = [(context + c)[-window:] for c in continuations]
-    x = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
-    y = torch.full_like(x, -1)
-    for i, (seq, c) in enumerate(zip(seqs, continuations)):
-        x[i, :len(seq)] = torch.tensor(seq)
-        y[i, len(seq) - len(c):len(seq)] = torch.tensor(c)
-    logp = token_logprobs(model, x[:, :-1], y[:, 1:])
-    return logp.sum(1).tolist(), [len(c) for c in continuations]
-
-
-def pick_choice(sums, counts, normalise=True):
-    """Index of the best ending: by mean log-likelihood per token (length-normalised), which
-    stops long endings losing just for having more tokens, or by the plain sum."""
-    scores = [s / n if normalise else s for s, n in zip(sums, counts)]
-    return int(np.argmax(scores))
-
-
-def hellaswag_accuracy(model, encode, tasks):
-    """({acc_norm, acc}, per task rows: label, both picks and each ending's mean log p)."""
-    rows = []
-    for task in progress_bar(tasks, desc="hellaswag"):
-        # The ending follows the context after a space, as in the original evaluation.
-        sums, counts = continuation_logprobs(model, encode(task["ctx"]), [encode(" " + e) for e in task["endings"]])
-        rows.append({"label": task["label"], "pick_norm": pick_choice(sums, counts),
-                     "pick": pick_choice(sums, counts, normalise=False),
-                     "mean_logp": [s / n for s, n in zip(sums, counts)]})
-    accuracy = {"acc_norm": float(np.mean([r["pick_norm"] == r["label"] for r in rows])),
-                "acc": float(np.mean([r["pick"] == r["label"] for r in rows]))}
-    return accuracy, rows
-
-
-# ----------------------------------------------------------------------------- answer extraction (GSM8K, MATH)
-
-def last_boxed(text):
-    """Content of the last \\boxed{...} (or \\fbox{...}), with nested braces; None if absent."""
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
-        return None
-    command = "\\boxed" if text.startswith("\\boxed", start) else "\\fbox"
-    rest = text[start + len(command):]
-    if rest.startswith(" "):  # \boxed 5
-        return rest.split()[0] if rest.split() else None
-    if not rest.startswith("{"):
-        return None
-    depth = 0
-    for i, ch in enumerate(rest):
-        depth += (ch == "{") - (ch == "}")
-        if depth == 0:
-            return rest[1:i]
-    return None
-
-
-# Thousands groups (1,250) or plain digits, then a decimal or fraction tail: "12, then" is 12.
-NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?"
-
-
-def extract_answer(text):
-    """Final answer of a completion: after '####' (GSM8K style), else the last \\boxed{},
-    else after 'the answer is', else the last number in the text; None if there is none."""
-    if "####" in text:
-        return text.split("####", 1)[1].strip().split("\n")[0].strip()
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed
-    said = list(re.finditer(r"answer is[:\s]*", text, flags=re.IGNORECASE))
-    if said:  # the last statement wins: "the answer is 5. Wait, actually the answer is 6."
-        rest = text[said[-1].end():]
-        number = re.match(r"\$?(" + NUMBER + ")", rest)
-        if number:  # "18 apples." -> 18
-            return number.group(1)
-        # Otherwise an expression ($\frac{1}{2}$, (C)) up to the end of its sentence or line.
-        expression = re.match(r"(.*?)(?:\.\s|\.?$|\n)", rest, flags=re.MULTILINE).group(1).strip()
-        if expression:
-            return expression
-    numbers = re.findall(NUMBER, text)
-    return numbers[-1] if numbers else None
-
-
-def unwrap_command(s, command):
-    """Replace \\command{X} by X (one brace level), e.g. \\text{cm} -> cm."""
-    while (i := s.find(command + "{")) >= 0:
-        depth, j = 0, i + len(command)
-        for j in range(i + len(command), len(s)):
-            depth += (s[j] == "{") - (s[j] == "}")
-            if depth == 0:
-                break
-        s = s[:i] + s[i + len(command) + 1:j] + s[j + 1:]
-    return s
-
-
-def normalize_answer(s):
-    """Canonical string of an answer: no LaTeX spacing/sizing, no $, %, degree signs,
-    thousands separators or trailing period; \\frac{a}{b} -> a/b; 'x = 5' -> 5."""
-    s = s.strip().strip("$").strip()
-    for junk in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "^\\circ", "^{\\circ}",
-                 "\\%", "%", "\\$", "$", "\\displaystyle"):
-        s = s.replace(junk, "")
-    # A unit written as \text{ cm}^2 after the value (leading space = a word, not a symbol).
-    s = re.sub(r"\\(?:text|mbox)\{\s[^{}]*\}(\^\{?\d\}?)?$", "", s)
-    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    for command in ("\\text", "\\textbf", "\\mbox", "\\mathrm"):
-        s = unwrap_command(s, command)
-    s = re.sub(r"\s+", "", s).rstrip(".")
-    s = re.sub(r"\\frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}", r"\1/\2", s)
-    s = re.sub(r"\\frac(\d)(\d)", r"\1/\2", s)  # \frac12
-    # Thousands separators: a comma between digits followed by exactly three digits.
-    while re.search(r"(\d),(\d{3})(?!\d)", s):
-        s = re.sub(r"(\d),(\d{3})(?!\d)", r"\1\2", s)
-    s = re.sub(r"^[a-zA-Z]\w*=", "", s)
-    return s
-
-
-def as_number(s):
-    try:
-        return Fraction(s)
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-def answers_match(predicted, reference):
-    """Exact match after normalisation; numbers compare by value (18.00 == 18, 0.5 == 1/2)."""
-    if predicted is None:
-        return False
-    p, r = normalize_answer(predicted), normalize_answer(reference)
-    if p == r:
-        return True
-    p_num, r_num = as_number(p), as_number(r)
-    return p_num is not None and p_num == r_num
-
-
-def gsm8k_reference(answer_field):
-    return answer_field.split("####")[-1].strip()
-
-
-LOCAL_COPIES = {"hellaswag": "hellaswag_val_full.txt.bz2", "gsm8k": "test.jsonl", "math500": "test.jsonl"}
-
-
-def check_source(source, task):
-    """--source is 'hub' or a local file; a missing file is named, never sent to the hub."""
-    if source != "hub" and not os.path.isfile(source):
-        raise FileNotFoundError(f"--source {source}: no such file; pass a local {task} file in its published "
-                                f"format (e.g. {task}/{LOCAL_COPIES[task]} of the offline data kit) or 'hub'")
-
-
-def load_hub(task, *names, split):
-    """Records of a hub data set; unreachable hub -> one line saying to use a local --source."""
-    try:
-        import datasets
-    except ImportError:
-        raise ValueError(f"--source hub needs the `datasets` package (pip install datasets); offline, "
-                         f"pass --source <local {LOCAL_COPIES[task]}>") from None
-    try:
-        return list(datasets.load_dataset(*names, split=split))
-    except Exception as e:  # datasets reports no network as one of many types (ConnectionError, OSError, ...)
-        raise ValueError(f"could not load {'/'.join(names)} from the hub ({type(e).__name__}: {e}); offline, pass "
-                         f"--source <local {LOCAL_COPIES[task]}> (the offline data kit has one)") from None
-
-
-def read_math_records(source, task):
-    """GSM8K / MATH-500 records {question, solution, answer} from a local jsonl in its published
-    layout, or from the hub on a connected machine (openai/gsm8k, HuggingFaceH4/MATH-500)."""
-    check_source(source, task)
-    if source == "hub":
-        names = ("openai/gsm8k", "main") if task == "gsm8k" else ("HuggingFaceH4/MATH-500",)
-        records = load_hub(task, *names, split="test")
-    else:
-        with open(source, encoding="utf-8") as f:
-            records = [json.loads(line) for line in f if line.strip()]
-    if task == "gsm8k":
-        # Calculator annotations <<a*b=c>> are tool traces, not text a model should imitate.
-        return [{"question": r["question"], "solution": re.sub(r"<<[^>]*>>", "", r["answer"]),
-                 "answer": gsm8k_reference(r["answer"])} for r in records]
-    return [{"question": r["problem"], "solution": r["solution"], "answer": r["answer"]} for r in records]
-
-
-def few_shot_prompt(shots, question, task):
-    q, a = ("Question", "Answer") if task == "gsm8k" else ("Problem", "Solution")
-    parts = [f"{q}: {s['question']}\n{a}: {s['solution']}\n\n" for s in shots]
-    return "".join(parts) + f"{q}: {question}\n{a}:", f"\n\n{q}:"
-
+# ----------------------------------------------------------------------------- generation (sample; downstream.py's bench)
 
 def tokenizer_of(info, tokenizer_dir=None):
     """(encode, decode, eot_id) for the tokenizer the checkpoint's data was prepared with."""
@@ -985,87 +756,12 @@ def generate(model, prompt, max_new_tokens, num_samples=1, temperature=0.0, top_
     return model.generate(idx, max_new_tokens, temperature, top_k, gen, stop)
 
 
-def run_math_bench(model, tokenizer, args):
-    encode, decode, eot_id = tokenizer
-    records = read_math_records(args.source, args.task)
-    # Few-shot exemplars are the first records; they are excluded from the scored set.
-    shots, tests = records[:args.shots], records[args.shots:][:args.limit]
-
-    per_problem = []
-    for rec in progress_bar(tests, desc=args.task):
-        prompt, marker = few_shot_prompt(shots, rec["question"], args.task)
-        # Checked after every token: look at the newest token and a short decoded tail only,
-        # not the whole continuation (that would be quadratic in its length).
-        stop = lambda toks: toks[-1] == eot_id or marker in decode(toks[-32:])
-        outs = generate(model, encode(prompt), args.max_new_tokens, args.num_samples, args.temperature,
-                        args.top_k, args.seed, stop)
-        # The model goes on to invent the next question; its answer ends where that starts.
-        texts = [decode([t for t in o if t != eot_id]).split(marker)[0] for o in outs]
-        answers = [extract_answer(t) for t in texts]
-        hits = [answers_match(a, rec["answer"]) for a in answers]
-        votes = [normalize_answer(a) for a in answers if a is not None]
-        majority = max(votes, key=votes.count) if votes else None  # ties: the first sample's
-        per_problem.append({"answer": rec["answer"], "completion": texts[0], "predicted": answers[0], "correct": hits[0],
-                            "mean_correct": float(np.mean(hits)), "majority_correct": answers_match(majority, rec["answer"])})
-    summary = {"task": args.task, "problems": len(per_problem), "shots": args.shots,
-               "exemplars": f"the first {args.shots} records of --source, excluded from scoring",
-               "accuracy": float(np.mean([p["mean_correct"] for p in per_problem])),
-               "temperature": args.temperature, "num_samples": args.num_samples}
-    if args.num_samples > 1:
-        summary["maj_accuracy"] = float(np.mean([p["majority_correct"] for p in per_problem]))
-    return summary, per_problem[:20]
-
-
 def run_bench(args):
-    model, info = load_model(args.ckpt, args.device)
-    if args.task == "anchor":
-        summary, rows = anchor_scores(model, data_dir_of(args, info))
-    elif args.task == "hellaswag":
-        check_source(args.source, "hellaswag")
-        if args.source == "hub":
-            tasks, source_format = hellaswag_tasks(load_hub("hellaswag", "Rowan/hellaswag", split="validation")), "hub"
-        else:
-            tasks = read_hellaswag(args.source)
-            source_format = "jsonl" if ".jsonl" in args.source else "text"
-        tasks = tasks[:args.limit]
-        encode = tokenizer_of(info, args.tokenizer_dir)[0]
-        # Every format is scored on the text format's context (activity_label: ctx, markup cleaned).
-        accuracy, rows = hellaswag_accuracy(model, encode, tasks)
-        summary = {"task": "hellaswag", "tasks": len(tasks), "source_format": source_format, **accuracy}
-        rows = rows[:20]  # like gsm8k/math500: a sample of per-item rows, not thousands
-    else:
-        summary, rows = run_math_bench(model, tokenizer_of(info, args.tokenizer_dir), args)
-    return {"analysis": "bench", "ckpt": args.ckpt, "summary": summary, "rows": rows}
-
-
-@torch.no_grad()
-def last_token_predictions(model, records, batch_size=1024):
-    """The model's argmax answer at the last input position of each record (n, record_len)."""
-    device = next(model.parameters()).device
-    inputs = torch.as_tensor(records[:, :-1], device=device)
-    return torch.cat([model(chunk)[0][:, -1].argmax(-1).cpu() for chunk in inputs.split(batch_size)]).numpy()
-
-
-def anchor_scores(model, data_dir):
-    """The anchor-function task: accuracy on seen pairs (train keys: val split; unseen keys: test
-    split) and, on the held-out pair, the share of inferential (composite) vs symmetric (the
-    mirror pair's rule) answers; scoring rules live with the generator in prepare_data.py."""
-    meta = load_meta(data_dir)
-    if "anchor" not in meta:
-        raise SystemExit(f"{data_dir} is not an anchor-task folder; make one with `python prepare_data.py anchor`")
-    rows = []
-    for split in ("val", "test", "heldout"):
-        records = read_records(data_dir, split)
-        predictions = last_token_predictions(model, records)
-        row = {"split": split, "records": len(records), "accuracy": anchor_accuracy(records, predictions)}
-        if split == "heldout":
-            kinds = anchor_answer_kinds(records, predictions, meta)
-            row.update({k: kinds[k] for k in ("inferential", "symmetric", "other")})
-        rows.append(row)
-    val, test, held = rows
-    summary = {"task": "anchor", "seen_pair_acc": val["accuracy"], "test_key_acc": test["accuracy"],
-               **{f"heldout_{k}": held[k] for k in ("inferential", "symmetric", "other")}}
-    return summary, rows
+    # The benchmarks live in downstream.py (HellaSwag, GSM8K, MATH-500 as lm-eval scores them,
+    # and the anchor task). It imports this file's loaders, so it is imported here, when the
+    # subcommand runs, not at the top (a cycle).
+    import downstream
+    return downstream.run_bench(args)
 
 
 # ----------------------------------------------------------------------------- sample
@@ -1129,19 +825,9 @@ def build_parser():
     p.add_argument("--gamma", type=float, default=1.0)
     p.add_argument("--mlp", default="gelu")
     p.add_argument("--attn-gate", default="none")
-    p = command("bench", run_bench, "HellaSwag, GSM8K, MATH-500 or the anchor task", data=True)
-    p.add_argument("--task", required=True, choices=["hellaswag", "gsm8k", "math500", "anchor"])
-    p.add_argument("--source", default="hub", help="local file in its published format (e.g. gsm8k test.jsonl, "
-                   "hellaswag_val_full.txt.bz2 or hellaswag_val.jsonl), or 'hub' on a connected machine")
-    p.add_argument("--tokenizer-dir", help="offline tokenizer files (prepare_data.py --tokenizer-dir)")
-    p.add_argument("--limit", type=int, default=None,
-                   help="score only the first N items (gsm8k/math500: the N after the --shots exemplars)")
-    p.add_argument("--shots", type=int, default=4,
-                   help="gsm8k/math500: the first SHOTS records of --source are the exemplars and are not scored")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--num-samples", type=int, default=1, help=">1: mean accuracy and majority vote")
+    p = command("bench", run_bench, "HellaSwag, GSM8K, MATH-500 (lm-eval's definitions) or the anchor task", data=True)
+    import downstream  # see run_bench
+    downstream.add_arguments(p)
     p = command("scaling", run_scaling, "fit L(N) = a N^-α + c; effective size of compared runs", ckpt=False, plot=True,
                 runs_model=False)
     p.add_argument("--baseline", nargs="+", required=True, help="loss JSONs (or N=loss) of the baseline sizes")
@@ -1169,10 +855,7 @@ def main(argv=None):
     try:
         result = args.func(args)
     # Library functions raise; here bad input becomes one line with the fix, no traceback.
-    # (SystemExit with a message: anchor_scores of the bench block still raises it.)
-    except (ValueError, FileNotFoundError, ImportError, SystemExit) as e:
-        if isinstance(e, SystemExit) and not isinstance(e.code, str):
-            raise  # an exit status, not a message
+    except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     if result is None:

@@ -6,6 +6,7 @@ Pretrain a GPT from model.py with γ-init (init.py) on token shards from prepare
     torchrun --nproc_per_node=8 train.py config/gamma1_1p5b.py  # one node, FSDP2
     python train.py config/gamma1_1p5b.py --dry_run=8           # plan for 8 GPUs, no GPU needed
     python train.py export out/run/ckpt_00001000 model.pt       # consolidated single file
+    python train.py export out/run/ckpt_00001000 hf_dir --format hf   # HF transformers folder
 
 Configuration: the module-level names below are the defaults; each config file given on the
 command line is executed over them; then `--key=value` (a Python literal, else a string) and
@@ -16,6 +17,7 @@ One code path: a single process is a 1-rank process group, so FSDP2, DCP checkpo
 data order are the same for 1 CPU process and for 64 GPUs.
 """
 
+import argparse
 import ast
 import builtins
 import copy
@@ -35,6 +37,7 @@ import sys
 import time
 import traceback
 import warnings
+import zipfile
 from dataclasses import asdict, fields
 
 import torch
@@ -613,9 +616,12 @@ def load_model(path, device="cpu", attn_backend=None):
     the checkpoint's model_config, config, step and data_meta."""
     path = find_checkpoints(path)[-1]
     if os.path.isfile(path):
+        if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; its error would only say "weights only"
+            raise ValueError(f"{path}: not a torch file (no zip archive in it: random bytes or a truncated copy); "
+                             "pass a .pt made by `python train.py export`, or a checkpoint folder")
         try:
             blob = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # random bytes, a truncated zip, a pickle with code in it
+        except Exception as e:  # a damaged zip, a pickle with code in it
             raise ValueError(f"{path}: not a readable torch file ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
                              "pass a .pt made by `python train.py export`, or a checkpoint folder") from None
         if not isinstance(blob, dict) or "model" not in blob or "model_config" not in blob:
@@ -1079,9 +1085,17 @@ def truncate_metrics(path, step):
 
 def main(argv):
     if argv[:1] == ["export"]:
-        if len(argv) != 3:
-            raise SystemExit("usage: python train.py export <ckpt_dir> <file.pt>")
-        export(argv[1], argv[2])
+        p = argparse.ArgumentParser(prog="train.py export", description="one file (pt) or a HF transformers folder (hf)")
+        p.add_argument("ckpt", help="checkpoint folder (hf: also a .pt export or a run folder)")
+        p.add_argument("out", help="pt: the file to write; hf: the folder")
+        p.add_argument("--format", choices=["pt", "hf"], default="pt")
+        p.add_argument("--tokenizer-dir", help="hf: offline tiktoken files (prepare_data.py --tokenizer-dir)")
+        a = p.parse_args(argv[1:])
+        if a.format == "pt":
+            export(a.ckpt, a.out)
+        else:
+            from hf_export import export_hf  # transformers/safetensors only when asked for
+            export_hf(a.ckpt, a.out, a.tokenizer_dir)
         return
     config = load_config(argv)
     if config["dry_run"]:

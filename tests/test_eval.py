@@ -1,13 +1,10 @@
 """eval.py: every analysis against an independent computation (numpy SVD, brute-force loops,
 hand-computed probabilities, Monte Carlo), then each subcommand end to end on tiny checkpoints."""
-import bz2
 import json
 import math
 import os
-import re
 import shutil
 import warnings
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -150,135 +147,6 @@ def test_buckets_locate_gains_on_medium_tokens():
     assert [r["win_rate_a"] for r in flipped] == pytest.approx([1 - r["win_rate_a"] for r in rows])
 
 
-# ----------------------------------------------------------------------------- HellaSwag
-
-class Bigram(torch.nn.Module):
-    """A model with known next-token log-probabilities: logits = table[previous token]."""
-
-    def __init__(self, logp, max_seq_len=64):
-        super().__init__()
-        self.table = torch.nn.Parameter(logp)
-        self.cfg = SimpleNamespace(max_seq_len=max_seq_len)
-
-    def forward(self, idx, targets=None):
-        return self.table[idx], None
-
-
-def test_hellaswag_text_format_round_trip(tmp_path):
-    tasks = [("Cooking: A man cracks an egg. he", 1, ["a", "b", "c", "d"]), ("Run: She ties her shoes.", 0, list("wxyz"))]
-    path = tmp_path / "hs.txt.bz2"
-    with bz2.open(path, "wt", encoding="utf-8") as f:
-        for ctx, label, endings in tasks:
-            f.write("\n".join([ctx, str(label), *endings]) + "\n")
-    assert ev.read_hellaswag(str(path)) == [{"ctx": c, "label": l, "endings": e} for c, l, e in tasks]
-    (tmp_path / "bad.txt").write_text("ctx\n1\nonly one ending\n")
-    with pytest.raises(ValueError, match="multiple of 6"):
-        ev.read_hellaswag(str(tmp_path / "bad.txt"))
-
-
-def test_hellaswag_reads_the_published_validation_file():
-    path = os.path.join(EVAL_DATA, "hellaswag", "hellaswag_val_full.txt.bz2")
-    if not os.path.exists(path):
-        pytest.skip("shared/data/eval/hellaswag not present (offline data kit)")
-    tasks = ev.read_hellaswag(path)
-    assert len(tasks) == 10042  # the README of the data kit
-    assert tasks[0]["ctx"] == "Roof shingle removal: A man is sitting on a roof. he" and tasks[0]["label"] == 3
-    assert all(len(t["endings"]) == 4 and 0 <= t["label"] < 4 for t in tasks)
-
-
-def test_choice_scoring_and_length_normalisation_on_known_probabilities():
-    # Token 0 is the context. Ending [1] has log p = log .3; ending [2, 3] has log p(2|0) + log p(3|2).
-    p = torch.full((4, 4), 0.25)
-    p[0] = torch.tensor([0.1, 0.3, 0.25, 0.35])
-    p[2] = torch.tensor([0.1, 0.1, 0.1, 0.7])
-    model = Bigram(p.log())
-    sums, counts = ev.continuation_logprobs(model, [0], [[1], [2, 3], [3]])
-    np.testing.assert_allclose(sums, [math.log(0.3), math.log(0.25) + math.log(0.7), math.log(0.35)], rtol=1e-6)
-    assert counts == [1, 2, 1]
-    assert ev.pick_choice(sums, counts) == 1 and ev.pick_choice(sums, counts, normalise=False) == 2
-    # A constructed tie on the sum (log .3 each way): normalisation prefers the 2-token ending.
-    r = 0.3 ** 0.5
-    p[0] = torch.tensor([0.1, 0.3, r, 0.6 - r])
-    p[2] = torch.tensor([(1 - r) / 3, (1 - r) / 3, (1 - r) / 3, r])
-    sums, counts = ev.continuation_logprobs(Bigram(p.log()), [0], [[1], [2, 3]])
-    assert sums[0] == pytest.approx(sums[1], rel=1e-6)
-    assert ev.pick_choice(sums, counts) == 1 and ev.pick_choice(sums, counts, normalise=False) == 0
-
-
-def test_hellaswag_accuracy_on_a_bigram_that_knows_the_answers():
-    # "Tokenizer": one token per character; the model strongly predicts 'b' after ' ' and 'c' after 'b'.
-    p = torch.full((128, 128), 1 / 128)
-    p[ord(" "), ord("b")] = p[ord("b"), ord("c")] = 50 / 128
-    p = p / p.sum(1, keepdim=True)
-    tasks = [{"ctx": "x", "endings": ["aa", "bc", "zz", "q"], "label": 1},
-             {"ctx": "y", "endings": ["bc", "a", "b", "dd"], "label": 0},
-             {"ctx": "z", "endings": ["ab", "qq", "b", "bc"], "label": 2}]
-    acc, rows = ev.hellaswag_accuracy(Bigram(p.log()), lambda s: [ord(ch) for ch in s], tasks)
-    assert acc == {"acc_norm": pytest.approx(2 / 3), "acc": pytest.approx(2 / 3)}
-    assert [r["pick_norm"] for r in rows] == [1, 0, 3]
-
-
-# ----------------------------------------------------------------------------- GSM8K / MATH answers
-
-COMPLETIONS = [
-    # (completion, reference, extracted, correct)
-    ("Janet sells 16 - 3 - 4 = 9 duck eggs a day.\nShe makes 9 * 2 = $18 every day.\n#### 18", "18", "18", True),
-    ("The house cost 80,000+50,000=$130,000.\n#### 70,000", "70000", "70,000", True),
-    ("He pays $1,250.50 in total.\n#### $1,250.50", "1250.5", "$1,250.50", True),
-    ("So the answer is $\\boxed{\\dfrac{14}{3}}$.", "\\frac{14}{3}", "\\dfrac{14}{3}", True),
-    ("Therefore $x = \\boxed{\\frac{\\sqrt{3}}{2}}$.", "\\frac{\\sqrt{3}}{2}", "\\frac{\\sqrt{3}}{2}", True),
-    ("The polar form is $\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}.$", "\\left( 3, \\frac{\\pi}{2} \\right)",
-     "\\left( 3, \\frac{\\pi}{2} \\right)", True),
-    ("We get $\\boxed{0.75}$", "\\frac34", "0.75", True),
-    ("The probability is \\boxed{\\frac{3}{4}}.", "0.75", "\\frac{3}{4}", True),
-    ("The area is $\\boxed{864 \\mbox{ inches}^2}$.", "864", "864 \\mbox{ inches}^2", True),
-    ("First \\boxed{2}, but correcting: \\boxed{x=-2}", "-2", "x=-2", True),
-    ("The angle is $\\boxed{30^\\circ}$", "30", "30^\\circ", True),
-    ("It grows by \\boxed{10\\%}.", "10", "10\\%", True),
-    ("The correct option is $\\boxed{\\text{(C)}}$", "\\text{(C)}", "\\text{(C)}", True),
-    ("She has 3 apples and buys 5 more, so she has 8 apples.", "8", "8", True),
-    ("She ends with 18.00 dollars", "18", "18.00", True),
-    ("The answer is 42.", "42", "42", True),
-    ("So the answer is 5. Wait, actually the answer is 6.", "6", "6", True),
-    ("The answer is 18 apples.", "18", "18", True),
-    ("He ends with 12, then gives none away", "12", "12", True),
-    ("He saved $1,234,567, then stopped", "1234567", "1,234,567", True),
-    ("The answer is: $1,250.50 in total", "1250.5", "1,250.50", True),
-    ("Hence the answer is $\\frac{1}{2}$.", "0.5", "$\\frac{1}{2}$", True),
-    ("The answer is (C).\nWait", "\\text{(C)}", "(C)", True),
-    ("#### 5", "6", "5", False),
-    ("So the answer is $\\boxed{2\\sqrt{3}}$", "3\\sqrt{2}", "2\\sqrt{3}", False),
-    ("I am not sure.", "7", None, False),
-]
-
-
-@pytest.mark.parametrize("completion,reference,extracted,correct", COMPLETIONS)
-def test_answer_extraction_and_matching(completion, reference, extracted, correct):
-    assert ev.extract_answer(completion) == extracted
-    assert ev.answers_match(ev.extract_answer(completion), reference) == correct
-
-
-def test_math500_reference_solutions_yield_their_answers():
-    path = os.path.join(EVAL_DATA, "math500", "test.jsonl")
-    if not os.path.exists(path):
-        pytest.skip("shared/data/eval/math500 not present (offline data kit)")
-    records = ev.read_math_records(path, "math500")
-    hits = [ev.answers_match(ev.extract_answer(r["solution"]), r["answer"]) for r in records]
-    assert len(records) == 500 and sum(hits) >= 495
-
-
-def test_gsm8k_records_and_few_shot_prompt():
-    path = os.path.join(EVAL_DATA, "gsm8k", "test.jsonl")
-    if not os.path.exists(path):
-        pytest.skip("shared/data/eval/gsm8k not present (offline data kit)")
-    records = ev.read_math_records(path, "gsm8k")
-    assert len(records) == 1319 and records[0]["answer"] == "18"
-    assert all("<<" not in r["solution"] and re.fullmatch(r"-?[\d,.]+", r["answer"]) for r in records)
-    prompt, stop = ev.few_shot_prompt(records[:2], records[2]["question"], "gsm8k")
-    assert prompt.count("Question:") == 3 and prompt.endswith("Answer:") and stop == "\n\nQuestion:"
-    assert ev.extract_answer(prompt.split("Question:")[1]) == "18"
-
-
 # ----------------------------------------------------------------------------- scaling fit
 
 def synthetic_scaling(noise, seed, a=400.0, alpha=0.32, c=1.8):
@@ -377,6 +245,26 @@ def test_scaling_and_report_commands(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- generation and sink helpers
+
+def greedy_by_hand(model, idx, n, stop):
+    """Greedy decoding by full recomputation, the reference for the KV-cache path."""
+    new = []
+    for _ in range(n):
+        with torch.no_grad():
+            new.append(int(model(torch.tensor([idx + new]))[0][0, -1].argmax()))
+        if stop(new):
+            break
+    return new
+
+
+def test_sample_prints_greedy_decoding_on_a_tiny_checkpoint(tmp_path, capsys):
+    model = tiny_model(seed=5, max_seq_len=256)
+    ckpt = export(model, tmp_path / "m.pt")
+    ev.main(["sample", ckpt, "--prompt", "The cat", "--max-new-tokens", "5", "--temperature", "0"])
+    decode = lambda ids: bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
+    out = greedy_by_hand(model, list(b"The cat"), 5, lambda t: t[-1] == 256)  # sample ends at end-of-text
+    printed = capsys.readouterr().out.split("--- sample 0\n")[1]
+    assert printed.rstrip("\n") == ("The cat" + decode(out)).rstrip("\n")
 
 def test_generate_crops_long_prompts_and_passes_stop_through():
     model = built(GPTConfig(vocab_size=30, n_layer=1, n_head=2, d_model=32, max_seq_len=16))
@@ -608,7 +496,7 @@ def run_expecting_error(argv, capsys, *fragments):
         assert fragment in err[-1]
 
 
-def test_bad_input_ends_in_one_line_naming_the_fix(tmp_path, text_data, capsys, monkeypatch):
+def test_bad_input_ends_in_one_line_naming_the_fix(tmp_path, text_data, capsys):
     ckpt = export(tiny_model(), tmp_path / "m.pt")
     run_expecting_error(["loss", ckpt, "--data", str(tmp_path / "nowhere")], capsys, "nowhere", "--data")
     run_expecting_error(["loss", str(tmp_path / "nothing.pt"), "--data", text_data], capsys, "nothing.pt")
@@ -617,14 +505,6 @@ def test_bad_input_ends_in_one_line_naming_the_fix(tmp_path, text_data, capsys, 
     run_expecting_error(["scaling", "--baseline", "1e6=4", "2e6=3.5"], capsys, "at least 3")
     run_expecting_error(["scaling", "--baseline", "1e6=4", "2e6=3.6", "4e6=3.3", "8e6=3.1", "--compare", "1e7=1.0"],
                         capsys, "irreducible")
-    run_expecting_error(["bench", ckpt, "--task", "gsm8k", "--source", str(tmp_path / "gsm8k_tset.jsonl")], capsys,
-                        "gsm8k_tset.jsonl", "no such file")
-
-    def offline(*args, **kwargs):
-        raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub")
-    monkeypatch.setitem(__import__("sys").modules, "datasets", SimpleNamespace(load_dataset=offline))
-    run_expecting_error(["bench", ckpt, "--task", "gsm8k"], capsys, "from the hub", "--source")
-    run_expecting_error(["bench", ckpt, "--task", "hellaswag"], capsys, "from the hub", "hellaswag_val_full.txt.bz2")
 
 
 def test_tokens_compares_two_checkpoints_on_identical_tokens(tmp_path, text_data):
@@ -681,210 +561,6 @@ def test_weights_trajectory_over_a_run_and_moe_experts(tmp_path):
     result = ev.main(["weights", export(moe, tmp_path / "moe.pt")])
     kinds = {r["kind"]: r["matrices"] for r in result["rows"]}
     assert kinds["w_up[experts]"] == 2 * 4 and kinds["router"] == 2
-
-
-def write_hellaswag(path, tasks):
-    with open(path, "w", encoding="utf-8") as f:
-        for t in tasks:
-            f.write("\n".join([t["ctx"], str(t["label"]), *t["endings"]]) + "\n")
-
-
-# Published records with WikiHow markup, and the text the data kit's text format holds for them
-# (shared/data/README, HellaSwag), cleaned by hand.
-HELLASWAG_RECORDS = [
-    ({"activity_label": "Home and Garden", "ctx": "[header] How to plant a tree [title] Dig a hole. [step] Make it  wide.",
-      "endings": ["[title] Water it. [step] Daily.", "runs away.", "[substeps] Add soil.", "sings [title] loudly"]},
-     ("Home and Garden: How to plant a tree. Dig a hole. Make it wide.",
-      ["Water it. Daily.", "runs away.", "Add soil.", "sings. loudly"])),
-    ({"activity_label": "Cooking", "ctx": "A man cracks an egg. he", "endings": ["eats it.", "drops the bowl on the floor.",
-                                                                           "laughs", "cooks it in a pan."]},
-     ("Cooking: A man cracks an egg. he", ["eats it.", "drops the bowl on the floor.", "laughs", "cooks it in a pan."])),
-    ({"activity_label": "Running", "ctx": "She ties her shoes. [title] Then she", "endings": ["runs.", "sits down quietly.",
-                                                                                         "waves", "jumps up high."]},
-     ("Running: She ties her shoes.. Then she", ["runs.", "sits down quietly.", "waves", "jumps up high."])),
-    ({"activity_label": "Music", "ctx": "[header] How to tune a guitar", "endings": ["[step] Pluck a string.", "a b c",
-                                                                               "Turn the peg.", "zzz"]},
-     ("Music: How to tune a guitar", ["Pluck a string.", "a b c", "Turn the peg.", "zzz"])),
-]
-
-
-def test_hellaswag_markup_is_cleaned_like_the_text_format():
-    tasks = ev.hellaswag_tasks([{**r, "label": 0} for r, _ in HELLASWAG_RECORDS])
-    assert [(t["ctx"], t["endings"]) for t in tasks] == [cleaned for _, cleaned in HELLASWAG_RECORDS]
-
-
-def mean_logprob_choices(model, ctx, endings):
-    """Per ending (mean, sum) of log p over its tokens: one forward per ending, no batching or padding."""
-    ctx_ids, scores = list(ctx.encode()), []
-    for e in endings:
-        end = list((" " + e).encode())
-        with torch.no_grad():
-            logp = torch.log_softmax(model(torch.tensor([ctx_ids + end])[:, :-1])[0].double(), -1)[0]
-        values = [logp[len(ctx_ids) - 1 + i, tok].item() for i, tok in enumerate(end)]
-        scores.append((np.mean(values), np.sum(values)))
-    return scores
-
-
-def test_bench_hellaswag_scores_every_source_alike_against_one_forward_per_ending(tmp_path, monkeypatch):
-    model = tiny_model(seed=4, max_seq_len=128)
-    ckpt = export(model, tmp_path / "m.pt")
-    # Labels: the reference's pick for the first two tasks, another ending for the last two, so
-    # the expected accuracy is exactly 1/2 under either rule, and any other pick changes it.
-    records, expected_text = [], []
-    for i, (record, (ctx, endings)) in enumerate(HELLASWAG_RECORDS):
-        scores = mean_logprob_choices(model, ctx, endings)
-        picks = [int(np.argmax([s[k] for s in scores])) for k in (0, 1)]
-        label = picks[0] if i < 2 else (picks[0] + 1) % 4
-        records.append({**record, "label": label, "ind": i})
-        expected_text.append({"ctx": ctx, "endings": endings, "label": label, "picks": picks, "scores": scores})
-    acc = {"acc_norm": np.mean([t["picks"][0] == t["label"] for t in expected_text]),
-           "acc": np.mean([t["picks"][1] == t["label"] for t in expected_text])}
-    assert acc["acc_norm"] == 0.5
-    write_hellaswag(tmp_path / "hs.txt", expected_text)
-    with open(tmp_path / "hs.jsonl", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
-    monkeypatch.setitem(__import__("sys").modules, "datasets",
-                        SimpleNamespace(load_dataset=lambda name, split: records if name == "Rowan/hellaswag" else None))
-    for source, fmt in ((str(tmp_path / "hs.txt"), "text"), (str(tmp_path / "hs.jsonl"), "jsonl"), ("hub", "hub")):
-        result = ev.main(["bench", ckpt, "--task", "hellaswag", "--source", source])
-        summary = result["summary"]
-        assert summary["source_format"] == fmt and summary["tasks"] == 4
-        assert summary["acc_norm"] == acc["acc_norm"] and summary["acc"] == acc["acc"]
-        # Each ending's score, not only the pick: a different context text would change them.
-        for row, task in zip(result["rows"], expected_text):
-            assert row["mean_logp"] == pytest.approx([m for m, _ in task["scores"]], rel=1e-5)
-
-
-class Scripted(torch.nn.Module):
-    """A model whose completions are known: for the prompt's last question, sample i is
-    script[question][i], emitted byte by byte and ended by stop() as GPT.generate does."""
-
-    def __init__(self, script):
-        super().__init__()
-        self.script, self.prompts = script, []
-        self.dummy = torch.nn.Parameter(torch.zeros(1))
-        self.cfg = SimpleNamespace(max_seq_len=4096)
-
-    def generate(self, idx, max_new_tokens, temperature, top_k, generator, stop):
-        prompt = bytes(idx[0].tolist()).decode()
-        self.prompts.append(prompt)
-        rows = []
-        for text in self.script[prompt.rsplit("Question: ", 1)[1].split("\n")[0]][:idx.shape[0]]:
-            new = []
-            for tok in text.encode()[:max_new_tokens]:
-                new.append(tok)
-                if stop(new):
-                    break
-            rows.append(new)
-        return rows
-
-
-def test_math_bench_cuts_at_the_next_question_and_votes(tmp_path):
-    with open(tmp_path / "gsm.jsonl", "w") as f:
-        for q, a in (("What is 2+3?", "2+3=<<2+3=5>>5\n#### 5"), ("What is 4*2?", "#### 8"), ("What is 9-2?", "#### 7")):
-            f.write(json.dumps({"question": q, "answer": a}) + "\n")
-    script = {  # (first sample's answer, mean correct, majority answer)
-        # "...9" after the invented next question: read only if the marker cut failed.
-        "What is 4*2?": ["4*2 = 8. The answer is 8.\n\nQuestion: What is 9? The answer is 9.",
-                         "The answer is 9.", "So 8.\n\nQuestion: 5"],   # 8, 2/3, 8
-        "What is 9-2?": ["The answer is 6.", "The answer is 7.", "It is 7"],  # 6, 2/3, 7
-    }
-    model = Scripted(script)
-    args = SimpleNamespace(source=str(tmp_path / "gsm.jsonl"), task="gsm8k", shots=1, limit=None, max_new_tokens=200,
-                           num_samples=3, temperature=1.0, top_k=None, seed=0)
-    tokenizer = (lambda s: list(s.encode()), lambda ids: bytes(ids).decode(errors="replace"), 256)
-    summary, rows = ev.run_math_bench(model, tokenizer, args)
-    # The first record is the exemplar: in every prompt, never scored.
-    assert all(p.startswith("Question: What is 2+3?\nAnswer: 2+3=5\n#### 5\n\n") for p in model.prompts)
-    assert summary["problems"] == 2 and [r["answer"] for r in rows] == ["8", "7"]
-    assert [(r["predicted"], r["correct"]) for r in rows] == [("8", True), ("6", False)]
-    assert [r["mean_correct"] for r in rows] == pytest.approx([2 / 3, 2 / 3])
-    assert summary["accuracy"] == pytest.approx(2 / 3) and summary["maj_accuracy"] == 1.0
-
-
-def test_bench_gsm8k_and_sample_run_on_a_tiny_checkpoint(tmp_path, capsys):
-    model = tiny_model(seed=5, max_seq_len=256)
-    ckpt = export(model, tmp_path / "m.pt")
-    with open(tmp_path / "gsm.jsonl", "w") as f:
-        for q, a in (("What is 2+3?", "2+3=<<2+3=5>>5\n#### 5"), ("What is 4*2?", "4*2=8\n#### 8"), ("1+1?", "#### 2")):
-            f.write(json.dumps({"question": q, "answer": a}) + "\n")
-    result = ev.main(["bench", ckpt, "--task", "gsm8k", "--source", str(tmp_path / "gsm.jsonl"), "--shots", "1",
-                      "--max-new-tokens", "12"])
-    assert result["summary"]["problems"] == 2 and [r["answer"] for r in result["rows"]] == ["8", "2"]
-    decode = lambda ids: bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
-    for question, row in zip(("What is 4*2?", "1+1?"), result["rows"]):
-        prompt = f"Question: What is 2+3?\nAnswer: 2+3=5\n#### 5\n\nQuestion: {question}\nAnswer:"
-        (out,) = greedy_reference(model, torch.tensor([list(prompt.encode())]), 12,
-                                  lambda t: 256 in t or "\n\nQuestion:" in decode(t))
-        completion = decode(out).split("\n\nQuestion:")[0]
-        assert row["completion"] == completion and row["predicted"] == ev.extract_answer(completion)
-    capsys.readouterr()
-    ev.main(["sample", ckpt, "--prompt", "The cat", "--max-new-tokens", "5", "--temperature", "0"])
-    (out,) = greedy_reference(model, torch.tensor([list(b"The cat")]), 5, lambda t: t[-1] == 256)  # ends at end-of-text
-    printed = capsys.readouterr().out.split("--- sample 0\n")[1]
-    assert printed.rstrip("\n") == ("The cat" + decode(out)).rstrip("\n")
-
-
-class AnchorOracle(torch.nn.Module):
-    """Hand-made predictions: answers key + shift(a, b) with its own rule for every record."""
-
-    def __init__(self, rule, vocab=128):
-        super().__init__()
-        self.rule, self.vocab = rule, vocab
-        self.dummy = torch.nn.Parameter(torch.zeros(1))
-
-    def forward(self, idx, targets=None):
-        logits = torch.zeros(*idx.shape, self.vocab)
-        for i, row in enumerate(idx.tolist()):
-            p = next(t for t in range(1, len(row)) if 1 <= row[t] <= 4)  # first anchor; key before it
-            logits[i, -1, self.rule(row[p - 1], row[p], row[p + 1])] = 1
-        return logits, None
-
-
-@pytest.fixture(scope="module")
-def anchor_data(tmp_path_factory):
-    import subprocess
-    import sys
-    out = tmp_path_factory.mktemp("anchor") / "data"
-    subprocess.run([sys.executable, os.path.join(ROOT, "prepare_data.py"), "anchor", "--out", str(out),
-                    "--n-train", "200", "--n-eval", "100"], check=True, capture_output=True)
-    return str(out)
-
-
-def test_anchor_scores_on_hand_made_predictions(anchor_data):
-    shift = {1: 5, 2: 1, 3: -2, 4: -8}  # the task's single functions (issue 3)
-    composite = lambda x, a, b: x + shift[a] + shift[b]
-    trained = lambda x, a, b: x - 6 if (a, b) == (3, 4) else composite(x, a, b)
-    symmetric = lambda x, a, b: x - 6 if (a, b) in ((3, 4), (4, 3)) else composite(x, a, b)
-    summary, _ = ev.anchor_scores(AnchorOracle(trained), anchor_data)
-    assert summary["seen_pair_acc"] == summary["test_key_acc"] == 1.0
-    assert summary["heldout_inferential"] == 1.0 and summary["heldout_symmetric"] == 0.0
-    summary, _ = ev.anchor_scores(AnchorOracle(symmetric), anchor_data)
-    assert summary["seen_pair_acc"] == 1.0 and summary["heldout_symmetric"] == 1.0 and summary["heldout_other"] == 0.0
-    # Answer "x" itself: wrong everywhere, neither kind on the held-out pair.
-    summary, _ = ev.anchor_scores(AnchorOracle(lambda x, a, b: x), anchor_data)
-    assert summary["seen_pair_acc"] == 0.0 and summary["heldout_other"] == 1.0
-
-
-def test_bench_anchor_command_reports_a_correct_models_answers(tmp_path, anchor_data, monkeypatch):
-    # The command line end to end (checkpoint -> scores -> table and JSON) on a model built to
-    # answer: composite rule on the held-out pair, and the mirror pair's rule (symmetric).
-    # load_model is replaced only because a hand-made rule is no GPT checkpoint; loading
-    # itself is tested above.
-    shift = {1: 5, 2: 1, 3: -2, 4: -8}
-    composite = lambda x, a, b: x + shift[a] + shift[b]
-    trained = lambda x, a, b: x - 6 if (a, b) == (3, 4) else composite(x, a, b)
-    symmetric = lambda x, a, b: x - 6 if (a, b) in ((3, 4), (4, 3)) else composite(x, a, b)
-    for rule, inferential in ((trained, 1.0), (symmetric, 0.0)):
-        monkeypatch.setattr(ev, "load_model", lambda path, device: (AnchorOracle(rule), {"config": {}}))
-        out = tmp_path / "anchor.json"
-        result = ev.main(["bench", "unused.pt", "--task", "anchor", "--data", anchor_data, "--json-out", str(out)])
-        val, test, held = result["rows"]
-        assert [r["split"] for r in result["rows"]] == ["val", "test", "heldout"]
-        assert val["accuracy"] == test["accuracy"] == 1.0 and held["accuracy"] == inferential
-        assert held["inferential"] == inferential and held["symmetric"] == 1.0 - inferential
-        with open(out) as f:
-            assert json.load(f)["summary"] == result["summary"]
 
 
 @pytest.mark.slow

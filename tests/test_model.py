@@ -29,7 +29,8 @@ def test_rmsnorm_tiny_eps_normalizes_small_activations():
 
 
 def test_rmsnorm_runs_in_fp32_for_bf16_inputs():
-    x = (torch.randn(4, 128) * 1e-3).bfloat16()
+    # Seeded: bf16 rounds |y| > 4 by up to 0.016, past atol, and 512 unseeded draws reach it ~3% of the time.
+    x = (torch.randn(4, 128, generator=torch.Generator().manual_seed(0)) * 1e-3).bfloat16()
     y = RMSNorm(128, 1e-12)(x)
     assert y.dtype == torch.bfloat16
     ref = x.double() / x.double().pow(2).mean(-1, keepdim=True).sqrt()

@@ -58,6 +58,13 @@ COMMANDS = {
     "python bench.py --suite cuda --json-out bench_cuda.json":
         (None, None, "needs a GPU: its plan is the --dry-run command below; tests/test_bench.py runs its variants shrunk"),
     "python bench.py --suite cuda --dry-run": ("run", None, ""),
+    "python train.py export out/tiny_bytes/ckpt_00000500 hf/tiny_bytes --format hf":
+        ("run", "python train.py export out/tiny_bytes/ckpt_00000006 hf/tiny_bytes --format hf",
+         "the 6-step run's checkpoint"),
+    "lm_eval --model hf --model_args pretrained=hf/tiny_bytes,trust_remote_code=True,dtype=float32 "
+    "--tasks hellaswag,gsm8k_cot,minerva_math500 --device cuda --batch_size 16":
+        (None, None, "its tasks read the hub and it wants a GPU; tests/test_lm_eval_parity.py runs lm-eval's "
+                     "hellaswag task through its Python API on local data"),
     "python prepare_data.py text --out data/bi_bytes --tokenizer bytes --source en=my_corpus/en,weight=0.5 "
     "--source 'zh=my_corpus/zh/*.txt,weight=0.5'": ("run", None, ""),
     "python train.py config/tiny_bytes.py --data_dir=data/bi_bytes --out_dir=out/g1 --max_steps=300 "
@@ -74,11 +81,17 @@ COMMANDS = {
     "python eval.py weights out/g1": ("run", None, ""),
     "python eval.py residual out/g1 --data data/bi_bytes": ("run", None, ""),
     "python eval.py residual --init --widths 64 128 256 512 --gamma 1 --mlp swiglu": ("run", None, ""),
-    "python eval.py bench out/g1 --task hellaswag --source evals/hellaswag_val_full.txt.bz2 --limit 200":
-        ("kit", "python eval.py bench out/g1 --task hellaswag --source evals/hellaswag_val_full.txt.bz2 --limit 10",
-         "10 items"),
-    "python eval.py bench out/g1 --task gsm8k --source evals/gsm8k_test.jsonl --shots 4 --limit 20":
-        ("kit", "python eval.py bench out/g1 --task gsm8k --source evals/gsm8k_test.jsonl --shots 4 --limit 2 "
+    "ln -s ../shared/data/eval evals":
+        ("kit", f"ln -s {os.path.join(KIT, 'eval')} evals", "the kit lies beside the repository, not this workspace"),
+    "python eval.py bench out/g1 --task hellaswag --source evals/hellaswag/hellaswag_val_full.txt.bz2 --limit 200 "
+    "--truncate left":
+        ("kit", "python eval.py bench out/g1 --task hellaswag --source evals/hellaswag/hellaswag_val_full.txt.bz2 "
+                "--limit 10 --truncate left", "10 items"),
+    "python eval.py bench out/g1 --task gsm8k --source evals/gsm8k/test.jsonl --limit 20 --truncate left":
+        ("kit", "python eval.py bench out/g1 --task gsm8k --source evals/gsm8k/test.jsonl --limit 2 --truncate left "
+                "--max-new-tokens 16", "2 problems, 16 new tokens"),
+    "python eval.py bench out/g1 --task math500 --source evals/math500/test.jsonl --limit 20 --truncate left":
+        ("kit", "python eval.py bench out/g1 --task math500 --source evals/math500/test.jsonl --limit 2 --truncate left "
                 "--max-new-tokens 16", "2 problems, 16 new tokens"),
     "python eval.py bench out/anchor_gamma1 --task anchor --data data/anchor": ("run", None, ""),
     "python eval.py scaling --baseline 1e6=2.10 3e6=1.90 1e7=1.75 3e7=1.66 --compare 3e6=1.80": ("run", None, ""),
@@ -161,6 +174,7 @@ def test_readme_commands_run(workspace):
     ws, out = workspace
     assert "world 8:" in out["python train.py config/gamma1_1p5b.py --dry_run=8"]
     assert (ws / "tiny_bytes.pt").exists() and (ws / "report.md").exists()
+    assert (ws / "hf" / "tiny_bytes" / "model.safetensors").exists()
     loss = out["python eval.py loss out/g1 --data data/bi_bytes --json-out results/loss_g1.json"]
     assert re.search(r"^\s*en\s", loss, flags=re.M) and re.search(r"^\s*zh\s", loss, flags=re.M)
     assert "heldout" in out["python eval.py bench out/anchor_gamma1 --task anchor --data data/anchor"]
@@ -173,14 +187,16 @@ def test_readme_commands_needing_the_offline_kit(workspace):
         pytest.skip("../shared/data (tokenizer files, HellaSwag, GSM8K) is not beside this checkout")
     ws, _ = workspace
     shutil.copytree(os.path.join(KIT, "tokenizers"), ws / "tokenizers", dirs_exist_ok=True)
-    os.makedirs(ws / "evals", exist_ok=True)
-    shutil.copy(os.path.join(KIT, "eval", "hellaswag", "hellaswag_val_full.txt.bz2"), ws / "evals")
-    shutil.copy(os.path.join(KIT, "eval", "gsm8k", "test.jsonl"), ws / "evals" / "gsm8k_test.jsonl")
     os.makedirs(ws / "hub_standin", exist_ok=True)
     shutil.copy(ws / "my_corpus" / "en" / "part0.txt", ws / "hub_standin" / "part0.txt")
     outputs = {command: run(line, ws) for command, line in lines_to_run("kit")}
-    assert len(outputs) == 4
-    assert "acc" in outputs["python eval.py bench out/g1 --task hellaswag --source evals/hellaswag_val_full.txt.bz2 --limit 200"]
+    assert len(outputs) == 6
+    hellaswag = outputs["python eval.py bench out/g1 --task hellaswag --source evals/hellaswag/hellaswag_val_full.txt.bz2 "
+                        "--limit 200 --truncate left"]
+    assert "acc_norm" in hellaswag and "truncated" in hellaswag
+    for task, metric in (("gsm8k", "flexible_match"), ("math500", "exact_match")):
+        out = outputs[f"python eval.py bench out/g1 --task {task} --source evals/{task}/test.jsonl --limit 20 --truncate left"]
+        assert metric in out and "lm-eval" in out
 
 
 def test_init_example_runs_with_init_py_alone(tmp_path):

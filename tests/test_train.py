@@ -166,7 +166,7 @@ CONFIGS = sorted(glob.glob(os.path.join(ROOT, "config", "[!_]*.py")))
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_shipped_config_dry_run(path, capsys):
     cfg = train.load_config([path])
-    cpu_config = os.path.basename(path).startswith(("anchor_", "tiny_"))
+    cpu_config = os.path.basename(path).startswith(("anchor_", "tiny_", "cpu_"))
     plan = train.print_plan(cfg, 1 if cpu_config else 8)
     mcfg = train.model_config(cfg, "cuda")
     assert plan["params"]["total"] == expected_params(mcfg)

@@ -1,0 +1,555 @@
+"""Downstream benchmarks, scored as lm-evaluation-harness scores them (`python eval.py bench ...`).
+
+- hellaswag (lm-eval `hellaswag`): context `activity_label: ctx_a Ctx_b` with lm-eval's clean-up
+  (every `[...]` span removed), each ending scored as " " + ending after the context, encoded the
+  way lm-eval encodes a pair; acc = argmax of the summed log-likelihood, acc_norm = the sum over
+  the ending's length in characters; acc_norm_tokens = the mean per token (this repo's earlier
+  acc_norm, kept under its own name).
+- gsm8k (lm-eval `gsm8k_cot`): the 8 chain-of-thought exemplars of Wei et al. (2022), "Q: …\\nA: …",
+  greedy until "Q:"; strict_match = the number in "The answer is N.", flexible_match = the last
+  number; exact match after lm-eval's regexes_to_ignore. With --fewshot-source FILE (train
+  records): lm-eval `gsm8k`'s "Question: …\\nAnswer: …" with the first --shots records of FILE, strict
+  "#### N". Every test record is scored.
+- math500 (lm-eval `minerva_math500`): the 4-shot prompt of Lewkowycz et al. (2022, Minerva),
+  until "Problem:"; math_verify = lm-eval's metric (math-verify's parse/verify of the gold
+  solution against the completion, when the package is installed) and exact_match = this repo's
+  normalisation of the "final answer is" (else the last boxed/number) against the reference
+  answer, which is not lm-eval's sympy-based one.
+- anchor: the synthetic anchor-function task of prepare_data.py.
+
+A prompt longer than the model allows (max_seq_len, minus --max-new-tokens when generating) is
+an error naming the sizes; --truncate left cuts its oldest tokens, as lm-eval does silently,
+and the summary counts how many items were cut.
+"""
+import bz2
+import json
+import os
+import re
+from fractions import Fraction
+
+import numpy as np
+import torch
+
+from eval import data_dir_of, generate, token_logprobs, tokenizer_of
+from prepare_data import anchor_accuracy, anchor_answer_kinds, load_meta, progress_bar, read_records
+from train import load_model
+
+# ----------------------------------------------------------------------------- published sources
+
+LOCAL_COPIES = {"hellaswag": "hellaswag_val_full.txt.bz2", "gsm8k": "test.jsonl", "math500": "test.jsonl"}
+
+
+def check_source(source, task):
+    """--source is 'hub' or a local file; a missing file is named, never sent to the hub."""
+    if source != "hub" and not os.path.isfile(source):
+        raise FileNotFoundError(f"--source {source}: no such file; pass a local {task} file in its published "
+                                f"format (e.g. {task}/{LOCAL_COPIES[task]} of the offline data kit) or 'hub'")
+
+
+def load_hub(task, *names, split):
+    """Records of a hub data set; unreachable hub -> one line saying to use a local --source."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"--source hub needs the `datasets` package (pip install datasets); offline, "
+                         f"pass --source <local {LOCAL_COPIES[task]}>") from None
+    try:
+        return list(datasets.load_dataset(*names, split=split))
+    except Exception as e:  # datasets reports no network as one of many types (ConnectionError, OSError, ...)
+        raise ValueError(f"could not load {'/'.join(names)} from the hub ({type(e).__name__}: {e}); offline, pass "
+                         f"--source <local {LOCAL_COPIES[task]}> (the offline data kit has one)") from None
+
+
+def read_jsonl(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def fit_prompt(tokens, room, what, truncate, fix="fewer shots, fewer new tokens or a longer-context model"):
+    """tokens, or their newest `room` with --truncate left; (tokens, cut?). Too long without it:
+    the error names the sizes and the fixes."""
+    if room < 1:
+        raise ValueError(f"{what}: no room for a prompt (max_seq_len minus --max-new-tokens is {room}); "
+                         "lower --max-new-tokens")
+    if len(tokens) <= room:
+        return tokens, False
+    if truncate != "left":
+        raise ValueError(f"{what} is {len(tokens)} tokens but the model takes {room}: pass --truncate left to cut its "
+                         f"oldest tokens (counted in the output), or use {fix}")
+    return tokens[-room:], True
+
+
+# ----------------------------------------------------------------------------- HellaSwag
+
+def lm_eval_clean(text):
+    """lm-eval hellaswag's preprocess: WikiHow markup out (" [title]" ends a sentence, every other
+    [...] span dropped), double spaces collapsed once."""
+    text = text.strip().replace(" [title]", ". ")
+    return re.sub(r"\[.*?\]", "", text).replace("  ", " ")
+
+
+def hellaswag_item(activity_label, ctx_a, ctx_b, endings, label):
+    # str.capitalize also lower-cases the rest of ctx_b: lm-eval's definition, kept as it is.
+    return {"ctx": lm_eval_clean(f"{activity_label}: {ctx_a} {ctx_b.capitalize()}"),
+            "endings": [lm_eval_clean(e) for e in endings], "label": int(label)}
+
+
+SENTENCE_END = re.compile(r"[.!?]\s")
+
+
+def split_text_context(line):
+    """(activity_label, ctx_a, ctx_b) of a text-format line `activity_label: ctx`, which lost the
+    boundary between ctx_a and ctx_b: ctx_b is taken to be the unfinished sentence at the end
+    (after the last '. ', '! ' or '? '), none when ctx ends a sentence. HellaSwag's ctx_b is the
+    start of the sentence the ending completes, so this recovers it except where ctx_a itself
+    ends mid-sentence; the jsonl or the hub give the fields exactly."""
+    label, _, ctx = line.partition(": ")
+    if not ctx or ctx.rstrip()[-1:] in ".!?":
+        return label, ctx, ""
+    cut = max((m.end() for m in SENTENCE_END.finditer(ctx)), default=0)
+    return label, ctx[:cut].rstrip(), ctx[cut:]
+
+
+def read_hellaswag(source):
+    """(items {ctx, endings, label}, how the context was built) from the published jsonl (or hub
+    records: ctx_a/ctx_b exact) or llama.cpp's 6-line text format (context, label, four endings;
+    see shared/data/README), optionally bz2-compressed."""
+    check_source(source, "hellaswag")
+    if source == "hub" or ".jsonl" in source:
+        if source == "hub":
+            records = load_hub("hellaswag", "Rowan/hellaswag", split="validation")
+        else:
+            opener = bz2.open if source.endswith(".bz2") else open
+            with opener(source, "rt", encoding="utf-8") as f:
+                records = [json.loads(line) for line in f if line.strip()]
+        items = [hellaswag_item(r["activity_label"], r["ctx_a"], r["ctx_b"], r["endings"], r["label"]) for r in records]
+        return items, "exact (ctx_a, ctx_b from the records)"
+    opener = bz2.open if source.endswith(".bz2") else open
+    with opener(source, "rt", encoding="utf-8") as f:
+        lines = f.read().rstrip("\n").split("\n")
+    if len(lines) % 6:
+        raise ValueError(f"{source}: {len(lines)} lines is not a multiple of 6; expected the HellaSwag "
+                         "text format (context, label, 4 endings per task) or a .jsonl file")
+    items = [hellaswag_item(*split_text_context(lines[i]), lines[i + 2:i + 6], lines[i + 1])
+             for i in range(0, len(lines), 6)]
+    return items, "text format: ctx_b taken as the unfinished last sentence"
+
+
+def encode_pair(encode, context, continuation):
+    """lm-eval's split of a (context, continuation) pair into tokens: trailing spaces of the
+    context move to the continuation, the whole string is encoded once and the continuation is
+    what follows the context's own tokens (BPE merges across the boundary stay as in the text)."""
+    stripped = context.rstrip()
+    continuation, context = context[len(stripped):] + continuation, stripped
+    whole, ctx = encode(context + continuation), encode(context)
+    return ctx, whole[len(ctx):]
+
+
+@torch.no_grad()
+def continuation_logprobs(model, context, continuations):
+    """Sum of log p(continuation tokens | context) and token count, for each continuation (token
+    ids), in one padded batch. The caller fits context + continuation into the window."""
+    seqs = [context + c for c in continuations]
+    x = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    y = torch.full_like(x, -1)
+    for i, (seq, c) in enumerate(zip(seqs, continuations)):
+        x[i, :len(seq)] = torch.tensor(seq)
+        y[i, len(seq) - len(c):len(seq)] = torch.tensor(c)
+    device = next(model.parameters()).device
+    logp = token_logprobs(model, x[:, :-1].to(device), y[:, 1:].to(device)).cpu()
+    return logp.sum(1).tolist(), [len(c) for c in continuations]
+
+
+def hellaswag_scores(model, encode, items, truncate=None):
+    """(summary {acc, acc_norm, acc_norm_tokens, truncated}, per item rows)."""
+    window = model.cfg.max_seq_len + 1  # the last token is only a target
+    rows, truncated = [], 0
+    for n, item in enumerate(progress_bar(items, desc="hellaswag")):
+        pairs = [encode_pair(encode, item["ctx"], " " + e) for e in item["endings"]]
+        context, longest = pairs[0][0], max(len(c) for _, c in pairs)
+        if longest >= window:
+            raise ValueError(f"hellaswag item {n}: an ending of {longest} tokens leaves no context in the model's "
+                             f"{window - 1}-token window; use a longer-context model")
+        context, cut = fit_prompt(context, window - longest, f"hellaswag item {n}'s context (beside its longest "
+                                  f"ending, {longest} tokens, in the {window - 1}-token window)", truncate,
+                                  "a longer-context model")
+        truncated += cut
+        sums, counts = continuation_logprobs(model, context, [c for _, c in pairs])
+        chars = [len(e) for e in item["endings"]]
+        rows.append({"label": item["label"], "pick": int(np.argmax(sums)),
+                     "pick_norm": int(np.argmax([s / c for s, c in zip(sums, chars)])),
+                     "pick_norm_tokens": int(np.argmax([s / c for s, c in zip(sums, counts)])), "loglik": sums})
+    summary = {m: float(np.mean([r[f"pick{k}"] == r["label"] for r in rows]))
+               for m, k in (("acc", ""), ("acc_norm", "_norm"), ("acc_norm_tokens", "_norm_tokens"))}
+    return {**summary, "truncated": truncated}, rows
+
+
+# ----------------------------------------------------------------------------- GSM8K
+
+# Wei et al. (2022), "Chain-of-thought prompting elicits reasoning in large language models",
+# the 8 GSM8K exemplars of its appendix, as lm-eval's gsm8k_cot task uses them.
+GSM8K_COT = [
+    ("There are 15 trees in the grove. Grove workers will plant trees in the grove today. After they are done, "
+     "there will be 21 trees. How many trees did the grove workers plant today?",
+     "There are 15 trees originally. Then there were 21 trees after some more were planted. So there must have "
+     "been 21 - 15 = 6. The answer is 6."),
+    ("If there are 3 cars in the parking lot and 2 more cars arrive, how many cars are in the parking lot?",
+     "There are originally 3 cars. 2 more cars arrive. 3 + 2 = 5. The answer is 5."),
+    ("Leah had 32 chocolates and her sister had 42. If they ate 35, how many pieces do they have left in total?",
+     "Originally, Leah had 32 chocolates. Her sister had 42. So in total they had 32 + 42 = 74. After eating 35, "
+     "they had 74 - 35 = 39. The answer is 39."),
+    ("Jason had 20 lollipops. He gave Denny some lollipops. Now Jason has 12 lollipops. How many lollipops did "
+     "Jason give to Denny?",
+     "Jason started with 20 lollipops. Then he had 12 after giving some to Denny. So he gave Denny 20 - 12 = 8. "
+     "The answer is 8."),
+    ("Shawn has five toys. For Christmas, he got two toys each from his mom and dad. How many toys does he have now?",
+     "Shawn started with 5 toys. If he got 2 toys each from his mom and dad, then that is 4 more toys. 5 + 4 = 9. "
+     "The answer is 9."),
+    ("There were nine computers in the server room. Five more computers were installed each day, from monday to "
+     "thursday. How many computers are now in the server room?",
+     "There were originally 9 computers. For each of 4 days, 5 more computers were added. So 5 * 4 = 20 computers "
+     "were added. 9 + 20 is 29. The answer is 29."),
+    ("Michael had 58 golf balls. On tuesday, he lost 23 golf balls. On wednesday, he lost 2 more. How many golf "
+     "balls did he have at the end of wednesday?",
+     "Michael started with 58 golf balls. After losing 23 on tuesday, he had 58 - 23 = 35. After losing 2 more, he "
+     "had 35 - 2 = 33 golf balls. The answer is 33."),
+    ("Olivia has $23. She bought five bagels for $3 each. How much money does she have left?",
+     "Olivia had 23 dollars. 5 bagels for 3 dollars each will be 5 x 3 = 15 dollars. So she has 23 - 15 dollars "
+     "left. 23 - 15 is 8. The answer is 8."),
+]
+
+# lm-eval's gsm8k metric: these removed from answer and reference, then compared case-insensitively.
+GSM8K_IGNORE = (",", r"\$", r"(?s).*#### ", r"\.$")
+FLEXIBLE = r"(-?[$0-9.,]{2,})|(-?[0-9]+)"
+
+
+def regex_answer(pattern, text, which):
+    """lm-eval's regex filter: the first (which=0) or last (-1) match, a group tuple's first
+    non-empty group, stripped; "[invalid]" without a match."""
+    found = re.findall(pattern, text)
+    if not found:
+        return "[invalid]"
+    match = found[which]
+    if isinstance(match, tuple):
+        match = next((g for g in match if g), "[invalid]")
+    return match.strip()
+
+
+def gsm8k_normalize(s):
+    for pattern in GSM8K_IGNORE:
+        s = re.sub(pattern, "", s)
+    return s.lower()
+
+
+def gsm8k_convention(fewshot_source, shots):
+    """The prompt and answer rules GSM8K is scored by (see generation_convention)."""
+    if fewshot_source is None:
+        shots = len(GSM8K_COT) if shots is None else shots
+        if not 0 <= shots <= len(GSM8K_COT):
+            raise ValueError(f"--shots {shots}: the published chain-of-thought set has {len(GSM8K_COT)} exemplars; "
+                             "pass --fewshot-source <gsm8k train.jsonl> for other counts")
+        return {"name": f"lm-eval gsm8k_cot: Wei et al. 2022 chain-of-thought exemplars, {shots}-shot; strict_match "
+                        "'The answer is N.', flexible_match the last number",
+                "exemplars": GSM8K_COT[:shots], "template": "Q: {}\nA:", "stop": "Q:",
+                "strict": r"The answer is (\-?[0-9\.\,]+)."}
+    check_source(fewshot_source, "gsm8k")
+    shots = 5 if shots is None else shots
+    records = read_jsonl(fewshot_source)[:shots]
+    if len(records) < shots:
+        raise ValueError(f"--fewshot-source {fewshot_source} holds {len(records)} records, fewer than --shots {shots}")
+    return {"name": f"lm-eval gsm8k: the first {shots} records of {os.path.basename(fewshot_source)} as exemplars "
+                    "(lm-eval draws them at random from train); strict_match '#### N', flexible_match the last number",
+            "exemplars": [(r["question"], r["answer"]) for r in records], "template": "Question: {}\nAnswer:",
+            "stop": "Question:", "strict": r"#### (\-?[0-9\.\,]+)"}
+
+
+# ----------------------------------------------------------------------------- MATH-500
+
+# Lewkowycz et al. (2022), "Solving quantitative reasoning problems with language models"
+# (Minerva), the 4-shot MATH prompt of its appendix, as lm-eval's minerva_math tasks use it.
+MINERVA_4SHOT = [
+    ("Find the domain of the expression  $\\frac{\\sqrt{x-2}}{\\sqrt{5-x}}$.",
+     "The expressions inside each square root must be non-negative. Therefore, $x-2 \\ge 0$, so $x\\ge2$, and "
+     "$5 - x \\ge 0$, so $x \\le 5$. Also, the denominator cannot be equal to zero, so $5-x>0$, which gives $x<5$. "
+     "Therefore, the domain of the expression is $\\boxed{[2,5)}$.\nFinal Answer: The final answer is $[2,5)$. "
+     "I hope it is correct."),
+    ("If $\\det \\mathbf{A} = 2$ and $\\det \\mathbf{B} = 12,$ then find $\\det (\\mathbf{A} \\mathbf{B}).$",
+     "We have that $\\det (\\mathbf{A} \\mathbf{B}) = (\\det \\mathbf{A})(\\det \\mathbf{B}) = (2)(12) = "
+     "\\boxed{24}.$\nFinal Answer: The final answer is $24$. I hope it is correct."),
+    ("Terrell usually lifts two 20-pound weights 12 times. If he uses two 15-pound weights instead, how many times "
+     "must Terrell lift them in order to lift the same total weight?",
+     "If Terrell lifts two 20-pound weights 12 times, he lifts a total of $2\\cdot 12\\cdot20=480$ pounds of weight.  "
+     "If he lifts two 15-pound weights instead for $n$ times, he will lift a total of $2\\cdot15\\cdot n=30n$ "
+     "pounds of weight.  Equating this to 480 pounds, we can solve for $n$:\n\\begin{align*}\n30n&=480\\\\\n"
+     "\\Rightarrow\\qquad n&=480/30=\\boxed{16}\n\\end{align*}\nFinal Answer: The final answer is $16$. "
+     "I hope it is correct."),
+    ("If the system of equations\n\n\\begin{align*}\n6x-4y&=a,\\\\\n6y-9x &=b.\n\\end{align*}has a solution $(x, y)$ "
+     "where $x$ and $y$ are both nonzero,\nfind $\\frac{a}{b},$ assuming $b$ is nonzero.",
+     "If we multiply the first equation by $-\\frac{3}{2}$, we obtain\n\n$$6y-9x=-\\frac{3}{2}a.$$Since we also know "
+     "that $6y-9x=b$, we have\n\n$$-\\frac{3}{2}a=b\\Rightarrow\\frac{a}{b}=\\boxed{-\\frac{2}{3}}.$$\nFinal Answer: "
+     "The final answer is $-\\frac{2}{3}$. I hope it is correct."),
+]
+
+
+def last_boxed(text):
+    """Content of the last \\boxed{...} (or \\fbox{...}), with nested braces; None if absent."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    command = "\\boxed" if text.startswith("\\boxed", start) else "\\fbox"
+    rest = text[start + len(command):]
+    if rest.startswith(" "):  # \boxed 5
+        return rest.split()[0] if rest.split() else None
+    if not rest.startswith("{"):
+        return None
+    depth = 0
+    for i, ch in enumerate(rest):
+        depth += (ch == "{") - (ch == "}")
+        if depth == 0:
+            return rest[1:i]
+    return None
+
+
+# Thousands groups (1,250) or plain digits, then a decimal or fraction tail: "12, then" is 12.
+NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?"
+
+
+def extract_answer(text):
+    """Final answer of a completion: Minerva's "Final Answer: The final answer is X. I hope it is
+    correct.", else after '####', else the last \\boxed{}, else after 'the answer is', else the
+    last number in the text; None if there is none."""
+    minerva = re.search(r"Final Answer: The final answer is(.*?)\. I hope it is correct\.", text + " I hope it is correct.")
+    if minerva and minerva.group(1).strip():
+        return minerva.group(1).strip()
+    if "####" in text:
+        return text.split("####", 1)[1].strip().split("\n")[0].strip()
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    said = list(re.finditer(r"answer is[:\s]*", text, flags=re.IGNORECASE))
+    if said:  # the last statement wins: "the answer is 5. Wait, actually the answer is 6."
+        rest = text[said[-1].end():]
+        number = re.match(r"\$?(" + NUMBER + ")", rest)
+        if number:  # "18 apples." -> 18
+            return number.group(1)
+        # Otherwise an expression ($\frac{1}{2}$, (C)) up to the end of its sentence or line.
+        expression = re.match(r"(.*?)(?:\.\s|\.?$|\n)", rest, flags=re.MULTILINE).group(1).strip()
+        if expression:
+            return expression
+    numbers = re.findall(NUMBER, text)
+    return numbers[-1] if numbers else None
+
+
+def unwrap_command(s, command):
+    """Replace \\command{X} by X (one brace level), e.g. \\text{cm} -> cm."""
+    while (i := s.find(command + "{")) >= 0:
+        depth, j = 0, i + len(command)
+        for j in range(i + len(command), len(s)):
+            depth += (s[j] == "{") - (s[j] == "}")
+            if depth == 0:
+                break
+        s = s[:i] + s[i + len(command) + 1:j] + s[j + 1:]
+    return s
+
+
+def normalize_answer(s):
+    """Canonical string of an answer: no LaTeX spacing/sizing, no $, %, degree signs,
+    thousands separators or trailing period; \\frac{a}{b} -> a/b; 'x = 5' -> 5."""
+    s = s.strip().strip("$").strip()
+    for junk in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "^\\circ", "^{\\circ}",
+                 "\\%", "%", "\\$", "$", "\\displaystyle"):
+        s = s.replace(junk, "")
+    # A unit written as \text{ cm}^2 after the value (leading space = a word, not a symbol).
+    s = re.sub(r"\\(?:text|mbox)\{\s[^{}]*\}(\^\{?\d\}?)?$", "", s)
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    for command in ("\\text", "\\textbf", "\\mbox", "\\mathrm"):
+        s = unwrap_command(s, command)
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    s = re.sub(r"\\frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}", r"\1/\2", s)
+    s = re.sub(r"\\frac(\d)(\d)", r"\1/\2", s)  # \frac12
+    # Thousands separators: a comma between digits followed by exactly three digits.
+    while re.search(r"(\d),(\d{3})(?!\d)", s):
+        s = re.sub(r"(\d),(\d{3})(?!\d)", r"\1\2", s)
+    s = re.sub(r"^[a-zA-Z]\w*=", "", s)
+    return s
+
+
+def as_number(s):
+    try:
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def answers_match(predicted, reference):
+    """Exact match after normalisation; numbers compare by value (18.00 == 18, 0.5 == 1/2)."""
+    if predicted is None:
+        return False
+    p, r = normalize_answer(predicted), normalize_answer(reference)
+    if p == r:
+        return True
+    p_num, r_num = as_number(p), as_number(r)
+    return p_num is not None and p_num == r_num
+
+
+def math_verifier():
+    """lm-eval's math_verify metric, verify(parse(gold solution), parse(completion)), or None
+    when the optional math-verify package is missing."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        return None
+    return lambda solution, completion: bool(verify(parse(solution), parse(completion)))
+
+
+# ----------------------------------------------------------------------------- generation benchmarks
+
+MINERVA = {"name": "lm-eval minerva_math500: Lewkowycz et al. 2022 4-shot prompt; math_verify as lm-eval; "
+                   "exact_match by this repo's normalisation (not lm-eval's sympy is_equiv)",
+           "exemplars": MINERVA_4SHOT, "template": "Problem:\n{}\n\nSolution:", "stop": "Problem:"}
+
+
+def few_shot_prompt(convention, question):
+    """lm-eval's few-shot context: each exemplar as template + " " + its answer, blank lines
+    between, then the question in the template."""
+    shots = [convention["template"].format(q) + " " + a for q, a in convention["exemplars"]]
+    return "\n\n".join(shots + [convention["template"].format(question)])
+
+
+def read_math_records(source, task):
+    """GSM8K / MATH-500 test records {question, reference, solution} from a local jsonl in its
+    published layout, or from the hub on a connected machine (openai/gsm8k, HuggingFaceH4/MATH-500)."""
+    check_source(source, task)
+    if source == "hub":
+        names = ("openai/gsm8k", "main") if task == "gsm8k" else ("HuggingFaceH4/MATH-500",)
+        records = load_hub(task, *names, split="test")
+    else:
+        records = read_jsonl(source)
+    if task == "gsm8k":
+        return [{"question": r["question"], "solution": r["answer"], "reference": r["answer"].split("####")[-1].strip()}
+                for r in records]
+    return [{"question": r["problem"], "solution": r["solution"], "reference": r["answer"]} for r in records]
+
+
+def score_completion(task, convention, record, text, verifier):
+    """{metric: correct} and {metric: extracted answer} of one completion."""
+    if task == "gsm8k":
+        answers = {"strict_match": regex_answer(convention["strict"], text, 0),
+                   "flexible_match": regex_answer(FLEXIBLE, text, -1)}
+        want = gsm8k_normalize(record["reference"])
+        return {m: gsm8k_normalize(a) == want for m, a in answers.items()}, answers
+    answer = extract_answer(text)
+    correct = {"exact_match": answers_match(answer, record["reference"])}
+    if verifier is not None:
+        correct["math_verify"] = verifier(record["solution"], text)
+    return correct, {"exact_match": answer}
+
+
+def generation_bench(model, tokenizer, args):
+    encode, decode, eot_id = tokenizer
+    convention = gsm8k_convention(args.fewshot_source, args.shots) if args.task == "gsm8k" else MINERVA
+    if args.task == "math500" and (args.shots not in (None, 4) or args.fewshot_source):
+        raise ValueError("--shots/--fewshot-source: MATH-500 is scored with the published Minerva 4-shot prompt; "
+                         "drop them")
+    verifier = math_verifier() if args.task == "math500" else None
+    records = read_math_records(args.source, args.task)[:args.limit]
+    room, marker = model.cfg.max_seq_len - args.max_new_tokens, convention["stop"]
+    rows, truncated = [], 0
+    for n, record in enumerate(progress_bar(records, desc=args.task)):
+        prompt, cut = fit_prompt(encode(few_shot_prompt(convention, record["question"])), room,
+                                 f"{args.task} item {n}'s prompt (+ --max-new-tokens {args.max_new_tokens})", args.truncate)
+        truncated += cut
+        # Checked after every token: the newest token and a short decoded tail only, not the
+        # whole continuation (that would be quadratic in its length).
+        stop = lambda toks: toks[-1] == eot_id or marker in decode(toks[-32:])
+        outs = generate(model, prompt, args.max_new_tokens, args.num_samples, args.temperature, args.top_k,
+                        args.seed, stop)
+        # lm-eval's `until`: the completion ends where the model starts the next exemplar.
+        texts = [decode([t for t in o if t != eot_id]).split(marker)[0] for o in outs]
+        scored = [score_completion(args.task, convention, record, t, verifier) for t in texts]
+        row = {"reference": record["reference"], "completion": texts[0], **{f"answer_{m}": a for m, a in scored[0][1].items()}}
+        for metric in scored[0][0]:
+            row[metric] = float(np.mean([c[metric] for c, _ in scored]))
+        if args.num_samples > 1:  # majority vote over the samples' extracted answers (ties: the first sample's)
+            for metric in scored[0][1]:
+                votes = [a for _, answers in scored for m, a in answers.items() if m == metric]
+                best = max(votes, key=votes.count)
+                row[f"maj_{metric}"] = float(next(c[metric] for c, a in scored if a[metric] == best))
+        rows.append(row)
+    metrics = [k for k in rows[0] if k in ("strict_match", "flexible_match", "exact_match", "math_verify")
+               or k.startswith("maj_")] if rows else []
+    summary = {"task": args.task, "convention": convention["name"], "problems": len(rows),
+               **{m: float(np.mean([r[m] for r in rows])) for m in metrics}, "truncated": truncated,
+               "temperature": args.temperature, "num_samples": args.num_samples}
+    if args.task == "math500" and verifier is None:
+        summary["math_verify"] = "not installed (pip install math-verify)"
+    return summary, rows[:20]
+
+
+# ----------------------------------------------------------------------------- anchor task
+
+@torch.no_grad()
+def last_token_predictions(model, records, batch_size=1024):
+    """The model's argmax answer at the last input position of each record (n, record_len)."""
+    device = next(model.parameters()).device
+    inputs = torch.as_tensor(records[:, :-1], device=device)
+    return torch.cat([model(chunk)[0][:, -1].argmax(-1).cpu() for chunk in inputs.split(batch_size)]).numpy()
+
+
+def anchor_scores(model, data_dir):
+    """The anchor-function task: accuracy on seen pairs (train keys: val split; unseen keys: test
+    split) and, on the held-out pair, the share of inferential (composite) vs symmetric (the
+    mirror pair's rule) answers; scoring rules live with the generator in prepare_data.py."""
+    meta = load_meta(data_dir)
+    if "anchor" not in meta:
+        raise ValueError(f"{data_dir} is not an anchor-task folder; make one with `python prepare_data.py anchor`")
+    rows = []
+    for split in ("val", "test", "heldout"):
+        records = read_records(data_dir, split)
+        predictions = last_token_predictions(model, records)
+        row = {"split": split, "records": len(records), "accuracy": anchor_accuracy(records, predictions)}
+        if split == "heldout":
+            kinds = anchor_answer_kinds(records, predictions, meta)
+            row.update({k: kinds[k] for k in ("inferential", "symmetric", "other")})
+        rows.append(row)
+    val, test, held = rows
+    summary = {"task": "anchor", "seen_pair_acc": val["accuracy"], "test_key_acc": test["accuracy"],
+               **{f"heldout_{k}": held[k] for k in ("inferential", "symmetric", "other")}}
+    return summary, rows
+
+
+# ----------------------------------------------------------------------------- command line (eval.py bench)
+
+def add_arguments(p):
+    """The options of `eval.py bench` (its parser gives ckpt, --device, --seed, --json-out, --data)."""
+    p.add_argument("--task", required=True, choices=["hellaswag", "gsm8k", "math500", "anchor"])
+    p.add_argument("--source", default="hub", help="local file in its published format (gsm8k/math500 test.jsonl, "
+                   "hellaswag_val.jsonl or hellaswag_val_full.txt.bz2), or 'hub' on a connected machine")
+    p.add_argument("--tokenizer-dir", help="offline tokenizer files (prepare_data.py --tokenizer-dir)")
+    p.add_argument("--limit", type=int, default=None, help="score only the first N items")
+    p.add_argument("--truncate", choices=["left"], default=None,
+                   help="cut prompts that do not fit the model from the left (counted); default: an error")
+    p.add_argument("--shots", type=int, default=None,
+                   help="gsm8k: exemplars (default 8 of the published set, 5 with --fewshot-source)")
+    p.add_argument("--fewshot-source", help="gsm8k: a jsonl of train records; its first --shots are the exemplars")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--num-samples", type=int, default=1, help=">1: mean accuracy and majority vote")
+
+
+def run_bench(args):
+    model, info = load_model(args.ckpt, args.device)
+    if args.task == "anchor":
+        summary, rows = anchor_scores(model, data_dir_of(args, info))
+    elif args.task == "hellaswag":
+        items, context = read_hellaswag(args.source)
+        items = items[:args.limit]
+        encode = tokenizer_of(info, args.tokenizer_dir)[0]
+        scores, rows = hellaswag_scores(model, encode, items, args.truncate)
+        summary = {"task": "hellaswag", "convention": f"lm-eval hellaswag; context {context}; acc_norm per character, "
+                   "acc_norm_tokens per token", "tasks": len(items), **scores}
+        rows = rows[:20]  # like gsm8k/math500: a sample of per-item rows, not thousands
+    else:
+        summary, rows = generation_bench(model, tokenizer_of(info, args.tokenizer_dir), args)
+    return {"analysis": "bench", "ckpt": args.ckpt, "summary": summary, "rows": rows}

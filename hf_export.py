@@ -1,0 +1,186 @@
+"""A smallinit checkpoint as a HF transformers folder (`python train.py export CKPT OUT_DIR --format hf`).
+
+    config.json, model.safetensors, generation_config.json   the model
+    tokenizer.json, tokenizer_config.json                     the run's tokenizer (byte-level or tiktoken)
+    modeling_smallinit.py                                     only for models Llama cannot express
+
+A dense causal SwiGLU model without the attention gate is exactly LlamaForCausalLM (fp32 RMSNorm
+with the same eps, RoPE on the pairs (i, i + head_dim/2), GQA head groups in the same order), so
+it exports as one, with no remote code. Gated attention, MoE, a GELU MLP and document masking
+need modeling_smallinit.py (trust_remote_code=True), whose parameter names are model.py's.
+The tokenizer is the run's tiktoken encoding rewritten as a byte-level BPE (`tokenizers`), so
+AutoTokenizer gives the ids prepare_data.py gave; `bytes` is the same BPE with no merges.
+"""
+import importlib
+import os
+import re
+import shutil
+
+from prepare_data import get_tokenizer
+from train import load_model
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+MODELING_FILE = "modeling_smallinit.py"
+
+
+def require(module, why):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        package = module.split(".")[0]
+        raise ValueError(f"--format hf needs the `{package}` package ({why}): pip install {package}") from None
+
+
+def llama_obstacles(cfg):
+    """The settings of a GPTConfig that LlamaForCausalLM has no way to express."""
+    obstacles = []
+    if cfg.attn_gate != "none":
+        obstacles.append(f"attn_gate={cfg.attn_gate!r} (Llama has no attention-output gate)")
+    if cfg.n_experts:
+        obstacles.append(f"n_experts={cfg.n_experts} (Llama's MLP is dense)")
+    if cfg.mlp != "swiglu":
+        obstacles.append(f"mlp={cfg.mlp!r} (Llama's MLP is SwiGLU)")
+    if cfg.doc_mask:
+        obstacles.append("doc_mask=True (Llama attends across end-of-text tokens)")
+    return obstacles
+
+
+# model.py's parameter name -> LlamaForCausalLM's ({i}: the layer).
+LLAMA_NAMES = {
+    "tok_emb.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    "layers.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "layers.{i}.mlp_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    **{f"layers.{{i}}.attn.w{p}.weight": f"model.layers.{{i}}.self_attn.{p}_proj.weight" for p in "qkvo"},
+    **{f"layers.{{i}}.mlp.w_{p}.weight": f"model.layers.{{i}}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
+}
+
+
+def llama_state_dict(state, n_layer):
+    names = {ours.format(i=i): theirs.format(i=i) for ours, theirs in LLAMA_NAMES.items() for i in range(n_layer)}
+    unmapped = sorted(set(state) - set(names))
+    if unmapped:  # a model.py change this mapping has not caught up with
+        raise ValueError(f"no LlamaForCausalLM name for {unmapped}")
+    return {names[k]: v for k, v in state.items()}
+
+
+def model_config(cfg, eot_id):
+    """(transformers config, its architecture) for a GPTConfig."""
+    if cfg.norm != "rmsnorm":
+        raise ValueError(f"model.norm={cfg.norm!r} has no HF export yet (Llama and modeling_smallinit.py are "
+                         f"RMSNorm models): export it with --format pt")
+    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer,
+                  num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head, rms_norm_eps=cfg.norm_eps,
+                  max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings,
+                  eos_token_id=eot_id, pad_token_id=eot_id)
+    if not llama_obstacles(cfg):
+        from transformers import LlamaConfig
+        return LlamaConfig(**common, intermediate_size=cfg.d_ff, hidden_act="silu", head_dim=cfg.head_dim,
+                           rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+                           attention_bias=False, mlp_bias=False), "LlamaForCausalLM"
+    from modeling_smallinit import SmallInitConfig
+    config = SmallInitConfig(**common, intermediate_size=cfg.d_ff, mlp=cfg.mlp, attn_gate=cfg.attn_gate,
+                             rope_theta=cfg.rope_theta, doc_mask=cfg.doc_mask, eot_id=cfg.eot_id,
+                             n_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k, d_expert=cfg.d_expert,
+                             router_score=cfg.router_score)
+    config.auto_map = {"AutoConfig": "modeling_smallinit.SmallInitConfig",
+                       "AutoModelForCausalLM": "modeling_smallinit.SmallInitForCausalLM"}
+    return config, "SmallInitForCausalLM"
+
+
+def byte_chars():
+    """GPT-2's byte -> printable character map, the alphabet of HF's ByteLevel pre-tokenizer:
+    printable Latin-1 bytes stand for themselves, the rest for the characters from U+0100 up."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = (b for b in range(256) if b not in keep)
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + n) for n, b in enumerate(extra)}}
+
+
+def onig_pattern(pat):
+    """tiktoken's regex for HF tokenizers' Oniguruma: there `X{1,3}+` is `(X{1,3})+`, not the
+    possessive `X{1,3}` tiktoken means (cl100k would cut 1234567 as one piece, not 123|456|7), so
+    each possessive interval becomes the equivalent atomic group. ?+ *+ ++ mean the same in both."""
+    return re.sub(r"(\\p\{\w+\}|\\.|\[[^\]]*\]|[^\\])(\{\d+(?:,\d*)?\})\+", r"(?>\1\2)", pat)
+
+
+def hf_tokenizer(enc, max_len):
+    """A tiktoken Encoding as a PreTrainedTokenizerFast giving the same ids.
+
+    tiktoken merges, within each piece its regex cut, the adjacent pair whose concatenation has
+    the lowest rank, and takes a piece that is itself a token whole. That is a BPE whose merges
+    are ordered by the rank of their result, with ignore_merges; every split of a token into two
+    tokens is listed, since the parts present depend on the piece. Special tokens keep their ids."""
+    tokenizers = require("tokenizers", "writes tokenizer.json")
+    from transformers import PreTrainedTokenizerFast
+    chars = byte_chars()
+    text = lambda b: "".join(chars[x] for x in b)
+    ranks = enc._mergeable_ranks  # tiktoken has no public accessor for its ranks and regex
+    merges = sorted((rank, ranks[b[:i]], text(b[:i]), text(b[i:]))
+                    for b, rank in ranks.items() for i in range(1, len(b)) if b[:i] in ranks and b[i:] in ranks)
+    vocab = {text(b): rank for b, rank in ranks.items()}
+    vocab.update(enc._special_tokens)
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [(a, b) for _, _, a, b in merges], ignore_merges=True))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
+        tokenizers.pre_tokenizers.Split(tokenizers.Regex(onig_pattern(enc._pat_str)), behavior="isolated"),
+        tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.add_special_tokens([tokenizers.AddedToken(s, special=True, normalized=False) for s in enc._special_tokens])
+    eot = enc.decode([enc.eot_token])
+    # split_special_tokens: prepare_data.py encodes documents with encode_ordinary, so a literal
+    # "<|endoftext|>" inside a text was bytes in training, not the end-of-text id.
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eot, pad_token=eot, model_max_length=max_len,
+                                   clean_up_tokenization_spaces=False, split_special_tokens=True)
+
+
+def write_folder(out_dir, write):
+    """write(tmp) fills a fresh folder that then becomes out_dir in one rename: a reader never sees
+    half an export. An earlier export at out_dir is replaced; any other non-empty folder is refused."""
+    out_dir = os.path.abspath(out_dir)
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not os.path.isfile(os.path.join(out_dir, "config.json")):
+        raise ValueError(f"{out_dir} exists and is not an earlier export: choose a new OUT_DIR or remove it")
+    tmp, old = out_dir + ".tmp", out_dir + ".old"
+    for path in (tmp, old):
+        shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(tmp)
+    write(tmp)
+    if os.path.exists(out_dir):
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def export_hf(ckpt, out_dir, tokenizer_dir=None):
+    """Write CKPT (any checkpoint train.load_model loads) as a transformers folder; returns the architecture."""
+    require("transformers", "the config and tokenizer classes")
+    safetensors_torch = require("safetensors.torch", "writes model.safetensors")
+    model, info = load_model(ckpt)
+    cfg, meta = model.cfg, info["data_meta"]
+    config, arch = model_config(cfg, meta["eot_id"])
+    config.architectures = [arch]
+    state = model.state_dict()
+    if cfg.tie_embeddings:  # safetensors stores a tensor once; transformers re-ties lm_head on load
+        del state["lm_head.weight"]
+    if arch == "LlamaForCausalLM":
+        state = llama_state_dict(state, cfg.n_layer)
+    from transformers import GenerationConfig
+    generation = GenerationConfig(eos_token_id=meta["eot_id"], pad_token_id=meta["eot_id"], do_sample=False)
+    # Anchor-task ids are not text: that model ships without a tokenizer.
+    enc = None if meta["tokenizer"] == "anchor" else get_tokenizer(meta["tokenizer"], tokenizer_dir)
+
+    def write(folder):
+        config.save_pretrained(folder)
+        generation.save_pretrained(folder)
+        tensors = {k: v.detach().float().contiguous() for k, v in state.items()}
+        safetensors_torch.save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        if arch != "LlamaForCausalLM":
+            shutil.copy(os.path.join(ROOT, MODELING_FILE), folder)
+        if enc is not None:
+            hf_tokenizer(enc, cfg.max_seq_len).save_pretrained(folder)
+
+    write_folder(out_dir, write)
+    why = "" if arch == "LlamaForCausalLM" else f" with {MODELING_FILE} (trust_remote_code=True): " + \
+        "; ".join(llama_obstacles(cfg))
+    print(f"exported {info['path']} (step {info.get('step')}) -> {out_dir} as {arch}{why}"
+          + ("" if enc else "; no tokenizer (anchor-task ids are not text)"))
+    return arch

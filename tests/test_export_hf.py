@@ -1,0 +1,172 @@
+"""`train.py export --format hf`: the HF transformers model is model.py's model (logits within 1e-5
+in fp32, the same greedy tokens) and AutoTokenizer gives the run's token ids. The references are
+model.py itself and tiktoken; the HF side is transformers' own LlamaForCausalLM or the shipped
+modeling file, loaded the way a user loads it."""
+import dataclasses
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the HF export needs transformers (Makefile test install)")
+pytest.importorskip("safetensors", reason="the HF export needs safetensors (Makefile test install)")
+
+from hf_export import export_hf  # noqa: E402
+from model import GPT, GPTConfig, init_model_  # noqa: E402
+from prepare_data import get_tokenizer  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KIT = os.path.join(ROOT, "..", "shared", "data")
+EOT = 256  # the byte tokenizer's end-of-text id
+
+CONFIGS = {
+    "gated_elementwise": dict(attn_gate="elementwise"),
+    "gated_headwise_gqa_tied": dict(attn_gate="headwise", n_head=4, n_kv_head=2, tie_embeddings=True),
+    "ungated": dict(attn_gate="none"),
+    "ungated_gqa_tied": dict(attn_gate="none", n_head=4, n_kv_head=1, tie_embeddings=True, rope_theta=500.0,
+                             norm_eps=1e-5),
+    "moe": dict(n_experts=4, top_k=2, d_expert=64, n_kv_head=1, router_score="sigmoid"),
+    "moe_top1_ungated": dict(n_experts=3, top_k=1, d_expert=32, attn_gate="none", moe_impl="reference"),
+    "gelu_doc_mask": dict(mlp="gelu", doc_mask=True, eot_id=EOT),
+}
+
+
+def trained_looking_model(**overrides):
+    """A γ=0.5 model with every norm gain and MoE selection bias moved off its init value, so
+    a weight that the export dropped or misplaced changes the logits."""
+    model = GPT(GPTConfig(**overrides))
+    init_model_(model, gamma=0.5, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+        for moe in model.moe_layers():
+            moe.expert_bias.copy_(0.05 * torch.randn(moe.expert_bias.shape, generator=gen))
+    return model.eval()
+
+
+def save_export(model, path, tokenizer="bytes", eot_id=EOT):
+    """The consolidated file `train.py export` writes (the format eval.load_model reads)."""
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.cfg), "config": {}, "step": 7,
+                "data_meta": {"tokenizer": tokenizer, "eot_id": eot_id}}, path)
+
+
+def load_hf(folder):
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_hf_model_matches_model_py(name, tmp_path):
+    model = trained_looking_model(**CONFIGS[name])
+    save_export(model, tmp_path / "m.pt")
+    arch = export_hf(str(tmp_path / "m.pt"), str(tmp_path / "hf"))
+    stock = model.cfg.attn_gate == "none" and not model.cfg.n_experts and model.cfg.mlp == "swiglu"
+    assert arch == ("LlamaForCausalLM" if stock else "SmallInitForCausalLM")
+    # A stock model needs no remote code: nothing to trust, nothing shipped.
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert ("auto_map" in config) != stock and (tmp_path / "hf" / "modeling_smallinit.py").exists() != stock
+    hf = load_hf(tmp_path / "hf")
+    assert type(hf).__name__ == arch
+
+    x = torch.randint(0, EOT, (3, 48), generator=torch.Generator().manual_seed(2))
+    x[:, 20] = EOT  # a document boundary: matters for doc_mask, ordinary token otherwise
+    with torch.no_grad():
+        ours, theirs = model(x)[0], hf(x).logits
+    assert ours.abs().max() > 0.1  # logits that carry information, not a degenerate model
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+
+    # Greedy decoding with the KV cache on both sides, stopping at end-of-text (the export's
+    # generation_config), from a prompt that crosses a document boundary.
+    prompt = x[:1, :30]
+    ours = model.generate(prompt, 24, stop=lambda toks: toks[-1] == EOT)[0]
+    theirs = hf.generate(prompt, max_new_tokens=24, do_sample=False)[0, prompt.shape[1]:].tolist()
+    assert theirs == ours
+
+
+def test_tied_export_stores_the_embedding_once(tmp_path):
+    from safetensors import safe_open
+    model = trained_looking_model(**CONFIGS["ungated_gqa_tied"])
+    save_export(model, tmp_path / "m.pt")
+    export_hf(str(tmp_path / "m.pt"), str(tmp_path / "hf"))
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert "lm_head.weight" not in keys and "model.embed_tokens.weight" in keys
+    hf = load_hf(tmp_path / "hf")
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+
+
+def sample_texts():
+    """Edge cases of the regexes (contractions, digit runs, whitespace runs, CRLF, a literal
+    special token, emoji) and, with the kit, real English and Chinese text."""
+    texts = ["Hello  world!\n\n\t  x", " 'll 's I'M 1234567 ÄÖü 天地玄黄 \r\n  \r\n", "emoji 🤗🤗 ok   \n",
+             "a<|endoftext|>b", "$12,345.67  --  x=1/2;\ty\u00a0z", ""]
+    for path in sorted(glob.glob(os.path.join(KIT, "corpus", "*", "*", "*.txt")))[:6]:
+        with open(path, encoding="utf-8") as f:
+            texts.append(f.read(60_000))
+    return texts
+
+
+@pytest.mark.parametrize("name", ["bytes", "gpt2", "cl100k_base"])
+def test_auto_tokenizer_gives_the_run_ids(name, tmp_path):
+    if name != "bytes" and not os.path.isdir(os.path.join(KIT, "tokenizers")):
+        pytest.skip("../shared/data/tokenizers (the published tiktoken files) is not beside this checkout")
+    enc = get_tokenizer(name, os.path.join(KIT, "tokenizers") if name != "bytes" else None)
+    model = trained_looking_model(vocab_size=enc.n_vocab, attn_gate="none")
+    save_export(model, tmp_path / "m.pt", tokenizer=name, eot_id=enc.eot_token)
+    export_hf(str(tmp_path / "m.pt"), str(tmp_path / "hf"), os.path.join(KIT, "tokenizers"))
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    texts = sample_texts()
+    # prepare_data.py tokenizes with encode_ordinary: no special tokens parsed from the text.
+    for text in texts:
+        assert tok(text)["input_ids"] == enc.encode_ordinary(text), text[:80]
+        assert tok.decode(enc.encode_ordinary(text)) == text
+    assert tok.eos_token_id == enc.eot_token == json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"]
+
+
+def run_export(*args):
+    return subprocess.run([sys.executable, "train.py", "export", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_cli_writes_the_folder_and_refuses_a_foreign_one(tmp_path):
+    model = trained_looking_model(**CONFIGS["gated_elementwise"])
+    save_export(model, tmp_path / "m.pt")
+    proc = run_export(tmp_path / "m.pt", tmp_path / "hf", "--format", "hf")
+    assert proc.returncode == 0, proc.stderr
+    names = set(os.listdir(tmp_path / "hf"))
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "modeling_smallinit.py"} <= names
+    assert not os.path.exists(tmp_path / "hf.tmp")
+    # Exporting again over an earlier export replaces it.
+    assert run_export(tmp_path / "m.pt", tmp_path / "hf", "--format", "hf").returncode == 0
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    proc = run_export(tmp_path / "m.pt", tmp_path / "other", "--format", "hf")
+    assert proc.returncode != 0 and "is not an earlier export" in proc.stderr and "Traceback" not in proc.stderr
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+
+
+def test_missing_package_is_one_line_naming_it(tmp_path, monkeypatch):
+    model = trained_looking_model()
+    save_export(model, tmp_path / "m.pt")
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)  # import fails as if not installed
+    with pytest.raises(ValueError, match=r"needs the `safetensors` package .*pip install safetensors$"):
+        export_hf(str(tmp_path / "m.pt"), str(tmp_path / "hf"))
+
+
+def test_a_tiktoken_run_offline_without_tokenizer_dir_is_one_line(tmp_path, monkeypatch):
+    import tiktoken
+
+    def offline(name):
+        raise ConnectionError("no network")
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    model = trained_looking_model(vocab_size=50304, attn_gate="none")
+    save_export(model, tmp_path / "m.pt", tokenizer="gpt2", eot_id=50256)
+    with pytest.raises(SystemExit, match=r"could not download tokenizer 'gpt2'.*--tokenizer-dir"):
+        export_hf(str(tmp_path / "m.pt"), str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()  # nothing half-written
