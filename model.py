@@ -1,7 +1,7 @@
 """
 The smallinit model: a pre-norm decoder (dense or MoE) built to test small initialization.
 
-- RMSNorm in fp32 with an explicit eps. Under γ=1 the residual stream starts at RMS d^-1
+- RMSNorm (or LayerNorm, the paper's other variant) in fp32 with an explicit eps. Under γ=1 the residual stream starts at RMS d^-1
   (≈5e-4 at d=2048, mean square ≈2e-7): eps=1e-5 would dominate the mean square and the norm
   would stop normalizing (output RMS ≈0.15 instead of 1). The default is 1e-12.
 - RoPE, GQA, SwiGLU (default) or GELU MLP, untied embeddings by default.
@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from init import gamma_init_
 
 MLP_KINDS = ("swiglu", "gelu")
+NORMS = ("rmsnorm", "layernorm")
 ATTN_GATES = ("elementwise", "headwise", "none")
 ATTN_BACKENDS = ("flex", "sdpa", "eager")
 ROUTER_SCORES = ("softmax", "sigmoid")
@@ -46,6 +47,7 @@ class GPTConfig:
     d_ff: int = 0                   # 0 -> 4*d (gelu) or 8/3*d rounded up (swiglu): same params either way
     ff_multiple_of: int = 64
     mlp: str = "swiglu"
+    norm: str = "rmsnorm"           # or "layernorm" (mean-centred, with a bias); same eps rule
     norm_eps: float = 1e-12
     attn_gate: str = "elementwise"
     attn_backend: str = "sdpa"
@@ -71,7 +73,7 @@ class GPTConfig:
         for name, value, allowed in (("mlp", self.mlp, MLP_KINDS), ("attn_gate", self.attn_gate, ATTN_GATES),
                                      ("attn_backend", self.attn_backend, ATTN_BACKENDS),
                                      ("router_score", self.router_score, ROUTER_SCORES),
-                                     ("moe_impl", self.moe_impl, MOE_IMPLS)):
+                                     ("moe_impl", self.moe_impl, MOE_IMPLS), ("norm", self.norm, NORMS)):
             if value not in allowed:
                 raise ValueError(f"GPTConfig.{name}={value!r}: choose one of {', '.join(allowed)}")
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "max_seq_len"):
@@ -155,6 +157,24 @@ class RMSNorm(nn.Module):
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.float()).type_as(x)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm under RMSNorm's rules: fp32 statistics and an explicit eps. Centring does not
+    change the small-init problem: the variance of a d^-γ stream is as tiny as its mean square."""
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), self.bias.float(), self.eps).type_as(x)
+
+
+def make_norm(cfg):
+    return (RMSNorm if cfg.norm == "rmsnorm" else LayerNorm)(cfg.d_model, cfg.norm_eps)
 
 
 def rope_cos_sin(start, seq_len, head_dim, theta, device):
@@ -406,9 +426,9 @@ class MoE(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp_norm = make_norm(cfg)
         self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
 
     def forward(self, x, mask, kv=None):
@@ -427,7 +447,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight

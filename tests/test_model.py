@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from init import gamma_init_
-from model import (GPT, SIZES, Attention, GPTConfig, MoE, RMSNorm, apply_rope, capture_attention, config_for,
+from model import (GPT, SIZES, Attention, GPTConfig, LayerNorm, MoE, RMSNorm, apply_rope, capture_attention, config_for,
                    document_ids, init_model_, rope_cos_sin, trace_residual)
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -45,6 +45,33 @@ def test_rmsnorm_runs_in_fp32_for_bf16_inputs():
     assert y.dtype == torch.bfloat16
     ref = x.double() / x.double().pow(2).mean(-1, keepdim=True).sqrt()
     assert torch.allclose(y.double(), ref, atol=1e-2)
+
+
+def test_layernorm_against_float64_with_tiny_and_standard_eps():
+    x = torch.randn(8, 256, dtype=torch.float64) * 1e-3 + 5e-4  # small activations with a mean
+    norm = LayerNorm(256, 1e-12)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 256))
+        norm.bias.copy_(torch.linspace(-0.1, 0.1, 256))
+    centred = x - x.mean(-1, keepdim=True)
+    var = centred.pow(2).mean(-1, keepdim=True)  # biased variance, as LayerNorm defines it
+    for eps in (1e-12, 1e-5):
+        norm.eps = eps
+        ref = centred / (var + eps).sqrt() * norm.weight.double() + norm.bias.double()
+        assert torch.allclose(norm(x.float()).double(), ref, atol=1e-5), eps
+    # the same failure as RMSNorm: eps=1e-5 swamps a variance of 1e-6
+    assert norm(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_layernorm_model_is_gamma_initialised_and_trains():
+    model = built(tiny(norm="layernorm"), gamma=1.0)
+    norms = [m for m in model.modules() if isinstance(m, LayerNorm)]
+    assert len(norms) == 2 * 2 + 1 and not any(isinstance(m, RMSNorm) for m in model.modules())
+    assert all(torch.equal(m.weight, torch.ones(64)) and torch.equal(m.bias, torch.zeros(64)) for m in norms)
+    idx = torch.randint(0, 50, (2, 16))
+    _, loss = model.train()(idx, idx)
+    loss.backward()
+    assert all(m.bias.grad is not None and m.bias.grad.abs().sum() > 0 for m in norms)
 
 
 # --- Gated attention --------------------------------------------------------------------------
@@ -419,6 +446,7 @@ def test_param_and_flop_counts_by_hand():
     (dict(attn_backend="flash"), "attn_backend"),
     (dict(mlp="relu"), "mlp"),
     (dict(norm_eps=0.0), "norm_eps"),
+    (dict(norm="batchnorm"), "norm"),
     (dict(n_layer=2.5), "n_layer"),
     (dict(doc_mask=True), "eot_id"),
 ])
