@@ -40,9 +40,14 @@ $SWEEP --name settings --eval loss,sink --seeds 0,1,2 --set "keep_steps=[0,5,10,
     --arm eps1e-5_no_gate=,lr=$R,model.norm_eps=1e-5,model.attn_gate=none \
     --arm baseline=config/_baseline.py,lr=$B
 
+# 2c. The ε arms with LayerNorm instead of RMSNorm (γ=1, gate, recipe lr), 3 seeds.
+$SWEEP --name layernorm --eval loss,sink --seeds 0,1,2 \
+    --arm ln_eps1e-12=,lr=$R,model.norm=layernorm \
+    --arm ln_eps1e-5=,lr=$R,model.norm=layernorm,model.norm_eps=1e-5
+
 # 3. γ sweep with ε=1e-12 and the gate: each γ's lr tuned on seed 0, then 3 seeds at its best.
+# γ=1 is the settings sweep's recipe arm (the same command).
 $SWEEP --name gamma_lr --grid gamma=0.3,0.5,0.75,1.25,1.5 --grid lr=$GAMMA_LRS --seeds 0
 arms=()
 for g in 0.3 0.5 0.75 1.25 1.5; do arms+=(--arm "gamma$g=,gamma=$g,lr=$(best_lr results/gamma_lr.json base $g)"); done
-arms+=(--arm "gamma1.0=,gamma=1.0,lr=$R")
 $SWEEP --name gamma --seeds 0,1,2 "${arms[@]}"
