@@ -29,7 +29,7 @@ import resource
 import shutil
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import torch
 import torch.distributed as dist
@@ -297,6 +297,10 @@ RUNTIME_MODEL_FIELDS = {"attn_backend", "activation_checkpointing", "moe_impl"}
 
 def check_resumable(path, mcfg):
     saved = read_json(os.path.join(path, "meta.json"))["model_config"]
+    # A field added to GPTConfig after the checkpoint was written (e.g. norm) counts as its
+    # default there: the code that wrote it had no other behaviour.
+    defaults = {f.name: f.default for f in fields(GPTConfig)}
+    saved = {**{k: v for k, v in defaults.items() if k not in saved}, **saved}
     changed = [f"{k} {saved.get(k)!r} there, {v!r} now" for k, v in asdict(mcfg).items()
                if k not in RUNTIME_MODEL_FIELDS and saved.get(k) != v]
     if changed:

@@ -8,7 +8,7 @@
 #   python prepare_data.py text --out data/bi_bytes --tokenizer bytes --max-tokens 16M \
 #       --source en=../shared/data/corpus/en,weight=0.5 --source zh=../shared/data/corpus/zh/four_classics,weight=0.5
 #   bash results/cpu_lm.sh            # one point at a time, one thread: ~2 min per point
-set -euo pipefail
+set -uo pipefail  # no -e: a failed point (or sweep) must not stop the later sweeps
 cd "$(dirname "$0")/.."
 JOBS=${JOBS:-1}
 BASE=config/cpu_lm.py
