@@ -14,7 +14,7 @@ import pytest
 
 import eval as ev
 import sweep
-from test_train import data_dir  # noqa: F401  (the shared byte-level dataset fixture)
+from test_train import data_dir, rows  # noqa: F401  (data_dir: the shared byte-level dataset fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--set", "model_size=tiny", "--set", "model={'max_seq_len': 32}", "--set", "seq_len=32",
@@ -114,9 +114,11 @@ def test_killed_point_resumes_to_the_uninterrupted_result(data_dir, tmp_path):
     assert "resumed from" in (run / "sweep.log").read_text()
 
     def losses(name):
+        """Every step's train and val loss (each step once) and the point's eval.py loss. Timing rows
+        (eval_s, ckpt_s) differ between a killed and an uninterrupted run and are not compared."""
         row = json.loads((tmp_path / "results" / f"{name}.json").read_text())["rows"][0]
-        metrics = (tmp_path / "out" / "sweeps" / name / "base-seed0" / "metrics.jsonl").read_text().splitlines()
-        return [json.loads(m).get("loss") for m in metrics], row["eval"]["loss"]["summary"]["loss"]
+        run_dir = tmp_path / "out" / "sweeps" / name / "base-seed0"
+        return rows(run_dir, "loss"), rows(run_dir, "val_loss"), row["eval"]["loss"]["summary"]["loss"]
     assert losses("killed") == losses("full")
 
 

@@ -199,7 +199,8 @@ def test_loss_falls(data_dir, tmp_path):
                "--global_batch=16", "--batch_size=16", "--eval_interval=60", "--eval_batches=2",
                "--ckpt_interval=20", "--keep_last=1", "--keep_steps=[0, 7]"])
     # keep_last=1 removed steps 20 and 40; keep_steps kept the init and step 7.
-    assert sorted(os.listdir(out)) == ["ckpt_00000000", "ckpt_00000007", "ckpt_00000060", "config.json", "metrics.jsonl"]
+    assert sorted(os.listdir(out)) == ["ckpt_00000000", "ckpt_00000007", "ckpt_00000060", "config.json", "metrics.jsonl",
+                                       "train.lock"]
     init_path = str(tmp_path / "init.pt")
     train.export(os.path.join(out, "ckpt_00000000"), init_path)
     blob, at_init = load_export(init_path)
