@@ -69,5 +69,6 @@ done
 # The README tables and plots.
 python eval.py report results/lr_tune.json --plot-x lr --out results/report_lr.md
 python eval.py report results/settings.json results/layernorm.json --plot-x arm --out results/report_settings.md
-python eval.py report results/gamma_lr.json results/gamma.json --plot-x gamma --out results/report_gamma.md
+python eval.py report results/gamma_lr.json --out results/report_gamma_lr.md
+python eval.py report results/gamma.json --plot-x gamma --out results/report_gamma.md
 python eval.py report results/condensation/*.json results/tokens/*.json --out results/report_analyses.md
