@@ -514,8 +514,13 @@ def save_checkpoint(cfg, step, net, opt, loader, meta, last_good):
     rank = dist.get_rank()
     name = f"ckpt_{step:08d}"
     tmp, final = os.path.join(cfg["out_dir"], "tmp_" + name), os.path.join(cfg["out_dir"], name)
+    fresh_optimizer = not opt.state  # the init checkpoint: no update has run yet
     try:
         model_sd, optim_sd = get_state_dict(net, opt)
+        if fresh_optimizer:
+            # get_state_dict materialises AdamW's state by a zero-gradient step, which counts as
+            # step 1: left in place, saving the init would shift every later bias correction.
+            opt.state.clear()
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
         # RNG streams differ per rank, so they can't be DCP entries (which are deduplicated).
         rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
@@ -569,9 +574,11 @@ def load_checkpoint(path, net, opt, loader, cfg_weight_decay):
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)  # DCP reshards when the world size changed
     set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    meta = read_json(os.path.join(path, "meta.json"))
+    if meta["step"] == 0:
+        opt.state.clear()  # the init checkpoint's optimizer is fresh (see save_checkpoint)
     for group in opt.param_groups:  # the config's weight decay wins over the checkpoint's (sweeps)
         group["weight_decay"] = cfg_weight_decay[group["name"]]
-    meta = read_json(os.path.join(path, "meta.json"))
     try:
         loader.load_state_dict(meta["data_state"])
     except ValueError as e:

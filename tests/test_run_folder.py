@@ -376,3 +376,20 @@ def test_a_model_field_newer_than_the_checkpoint_counts_as_its_default(run6, tmp
     json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
     with pytest.raises(ValueError, match="norm 'layernorm' there, 'rmsnorm' now"):
         train.check_resumable(path, mcfg)
+
+
+@pytest.mark.slow
+def test_saving_the_init_does_not_change_the_run(data_dir, tmp_path):  # noqa: F811
+    """DCP's get_state_dict materialises AdamW's state with a zero-gradient step (step count 1):
+    a kept step-0 checkpoint used to shift every later bias correction. With and without it, and
+    resumed from it, the run is the same, bitwise."""
+    args = [*TINY, f"--data_dir={data_dir}", "--max_steps=6", "--ckpt_interval=6"]
+    plain, kept = str(tmp_path / "plain"), str(tmp_path / "kept")
+    run_train([*args, f"--out_dir={plain}"])
+    run_train([*args, f"--out_dir={kept}", "--keep_steps=[0]"])
+    assert rows(kept, "loss") == rows(plain, "loss")
+    resumed = str(tmp_path / "resumed")
+    os.makedirs(resumed)
+    shutil.copytree(os.path.join(kept, "ckpt_00000000"), os.path.join(resumed, "ckpt_00000000"))
+    p = run_train([*args, f"--out_dir={resumed}", "--keep_steps=[0]"])
+    assert "resumed from" in p.stdout and rows(resumed, "loss") == rows(plain, "loss")
