@@ -46,8 +46,8 @@ $SWEEP --name layernorm --eval loss,sink --seeds 0,1,2 \
     --arm ln_eps1e-5=,lr=$R,model.norm=layernorm,model.norm_eps=1e-5
 
 # 3. γ sweep with ε=1e-12 and the gate: each γ's lr tuned on seed 0, then 3 seeds at its best.
-# γ=1 is the settings sweep's recipe arm (the same command).
 $SWEEP --name gamma_lr --grid gamma=0.3,0.5,0.75,1.25,1.5 --grid lr=$GAMMA_LRS --seeds 0
 arms=()
 for g in 0.3 0.5 0.75 1.25 1.5; do arms+=(--arm "gamma$g=,gamma=$g,lr=$(best_lr results/gamma_lr.json base $g)"); done
+arms+=(--arm "gamma1.0=,gamma=1.0,lr=$R")  # the settings sweep's recipe arm again, so this file holds every γ
 $SWEEP --name gamma --seeds 0,1,2 "${arms[@]}"
