@@ -17,7 +17,6 @@ by side), so a sweep never changes the code path a single `python train.py` take
 """
 
 import argparse
-import ast
 import itertools
 import json
 import os
@@ -28,16 +27,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from prepare_data import cpu_name, write_json
+from train import parse_value  # a grid value is read as train.py reads --key=value
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def parse_value(text):
-    """A grid value as train.py reads a --key=value: a Python literal, else a string."""
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
 
 
 def parse_grid(specs):

@@ -164,6 +164,14 @@ def _set(cfg, key, value, where, merge_dicts=False):
         cfg[head] = _check_type(head, value, default)
 
 
+def parse_value(text):
+    """A --key=value's value: a Python literal, else the text itself (--out_dir=out/x needs no quotes)."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
 def load_config(argv):
     """Defaults <- config files (in order) <- --key=value overrides; validated."""
     cfg = copy.deepcopy(DEFAULTS)
@@ -172,11 +180,7 @@ def load_config(argv):
             key, eq, text = arg[2:].partition("=")
             if not eq:
                 text = "True"  # a bare --flag
-            try:
-                value = ast.literal_eval(text)
-            except (ValueError, SyntaxError):
-                value = text  # --out_dir=out/x needs no quotes
-            _set(cfg, key, value, "the command line", merge_dicts=True)
+            _set(cfg, key, parse_value(text), "the command line", merge_dicts=True)
         else:
             if not os.path.isfile(arg):
                 raise FileNotFoundError(f"config: no such config file {arg!r} (arguments are config "
