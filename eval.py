@@ -642,7 +642,8 @@ def sweep_table(result):
 def plot_sweep(result, x_key, path):
     """Loss (mean ± std over seeds, every seed a gray dot) against one setting: a line per arm, or
     one line across the arms when each arm is a value of that setting (a γ sweep whose arms carry
-    their own tuned lr). x_key "arm": the arms as categories (ablations)."""
+    their own tuned lr; one line per arm config file, e.g. recipe and baseline sizes). x_key
+    "arm": the arms as categories (ablations)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     series, arms = {}, list(dict.fromkeys(row["arm"] for row in result["rows"]))
@@ -650,7 +651,11 @@ def plot_sweep(result, x_key, path):
         if x_key == "arm":
             label, x = "arms", arms.index(row["arm"])
         else:
-            label, x = (result["name"] if x_key in row["arm_set"] else row["arm"]), config_value(row["config"], x_key)
+            # arms that carry the plotted setting themselves are one line per set of config
+            # files (the recipe's sizes; the baseline's sizes), else each arm is its own line
+            files = "+".join(os.path.basename(f) for f in row["arm_configs"])
+            label = (result["name"] + (f" + {files}" if files else "")) if x_key in row["arm_set"] else row["arm"]
+            x = config_value(row["config"], x_key)
         series.setdefault(label, {}).setdefault(x, []).append(row["eval"]["loss"]["summary"]["loss"])
     for label, points in series.items():
         xs = sorted(points)
@@ -661,7 +666,7 @@ def plot_sweep(result, x_key, path):
             ax.scatter([x] * len(points[x]), points[x], s=8, color="gray", zorder=3)
     if x_key == "arm":
         ax.set_xticks(range(len(arms)), arms, rotation=20)
-    elif x_key in ("lr", "model.norm_eps"):
+    elif x_key in ("lr", "model.norm_eps", "max_steps", "model.d_model"):
         ax.set_xscale("log")
     ax.set_xlabel(x_key)
     ax.set_ylabel("validation loss (eval.py loss)")

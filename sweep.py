@@ -33,17 +33,43 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def parse_grid(specs):
-    """['lr=1e-3,3e-3', 'gamma=0.5'] -> {'lr': [0.001, 0.003], 'gamma': [0.5]} (order kept)."""
+    """['lr=1e-3,3e-3', 'gamma=0.5'] -> {'lr': [0.001, 0.003], 'gamma': [0.5]} (order kept).
+    KEY:KEY=V:V,... is one axis whose keys move together (zipped, not crossed), e.g.
+    max_steps:warmup_steps=32:3,320:32 keeps warmup a tenth of each token budget; its values are
+    lists, one entry per key."""
     grid = {}
     for spec in specs:
-        key, eq, values = spec.partition("=")
-        if not eq or not key or not values:
+        axis, eq, values = spec.partition("=")
+        if not eq or not axis or not values:
             raise ValueError(f"--grid {spec!r}: write KEY=V1,V2,... e.g. --grid lr=1e-3,3e-3")
-        if key in grid:
-            raise ValueError(f"--grid {key} given twice: put all its values in one --grid")
-        check_key(key, "--grid")
-        grid[key] = [parse_value(v) for v in values.split(",")]
+        keys = axis.split(":")
+        for key in keys:
+            if not key:
+                raise ValueError(f"--grid {spec!r}: an empty key; zipped keys are KEY:KEY=V:V,...")
+            if key in grid_keys(grid):
+                raise ValueError(f"--grid {key} given twice: put all its values in one --grid")
+            check_key(key, "--grid")
+        grid[axis] = []
+        for value in values.split(","):
+            parts = value.split(":") if len(keys) > 1 else [value]
+            if len(parts) != len(keys):
+                raise ValueError(f"--grid {axis}: value {value!r} has {len(parts)} parts for {len(keys)} keys")
+            parsed = [parse_value(v) for v in parts]
+            grid[axis].append(parsed if len(keys) > 1 else parsed[0])
     return grid
+
+
+def grid_keys(grid):
+    return [key for axis in grid for key in axis.split(":")]
+
+
+def grid_setting(grid, values):
+    """One product entry of the grid as {key: value}, zipped axes spread over their keys."""
+    setting = {}
+    for axis, value in zip(grid, values):
+        keys = axis.split(":")
+        setting.update(zip(keys, value) if len(keys) > 1 else [(axis, value)])
+    return setting
 
 
 def parse_arms(specs):
@@ -78,11 +104,11 @@ def points(arms, grid, seeds):
     then seeds. Names are unique, readable and safe as folder names."""
     out = []
     for arm, spec in arms.items():
-        clash = sorted(set(spec["set"]) & set(grid))
+        clash = sorted(set(spec["set"]) & set(grid_keys(grid)))
         if clash:
             raise ValueError(f"--arm {arm} sets {', '.join(clash)}, which the grid sweeps")
         for values in itertools.product(*grid.values()):
-            setting = dict(zip(grid, values))
+            setting = grid_setting(grid, values)
             for seed in seeds:
                 parts = [arm] + [f"{k}={value_text(v)}" for k, v in setting.items()] + [f"seed{seed}"]
                 name = "-".join(parts).replace("/", "_").replace(" ", "")
@@ -196,6 +222,18 @@ def finished(run_dir):
         return json.load(f)
 
 
+def stale_reason(args, point, run_dir):
+    """Why a finished point no longer matches its definition (an arm's lr or a --set changed
+    since it ran), or None. The train.py command is the whole definition of the run."""
+    row = finished(run_dir)
+    if row is None:
+        return None
+    if row["command"] != ["python", "train.py", *train_args(args, point, run_dir)]:
+        return f"was run as `{' '.join(row['command'])}`"
+    missing = sorted(set(args.eval) - set(row["eval"]))
+    return f"was evaluated without {', '.join(missing)}" if missing else None
+
+
 def write_results(args, todo):
     """results/<name>.json from every finished point, rewritten after each one lands."""
     rows = [r for r in (finished(run_dir) for _, run_dir in todo) if r is not None]
@@ -208,7 +246,8 @@ def write_results(args, todo):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("base", help="base config file")
-    p.add_argument("--grid", action="append", default=[], help="KEY=V1,V2,... (repeatable; the product is swept)")
+    p.add_argument("--grid", action="append", default=[], help="KEY=V1,V2,... (repeatable; the product is swept); "
+                   "KEY:KEY=V:V,... moves keys together")
     p.add_argument("--arm", action="append", default=[],
                    help="NAME=CONFIG[+CONFIG] extra config files after the base (repeatable; NAME= is the base)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (init and data order)")
@@ -241,6 +280,11 @@ def main(argv=None):
         raise SystemExit(f"error: {e}")
     if len({pt["name"] for pt, _ in todo}) != len(todo):
         raise SystemExit("error: two points have the same name: give the arms distinct names")
+    for pt, run_dir in todo:
+        stale = stale_reason(args, pt, run_dir)
+        if stale:
+            raise SystemExit(f"error: point {pt['name']} in {run_dir} {stale}: its row would be reported under "
+                             "today's settings; use a new --name, or delete that folder to rerun it")
     if args.dry_run or args.print_commands:
         for pt, run_dir in todo:
             state = "finished" if finished(run_dir) else "to run"

@@ -4,7 +4,8 @@
 # Each arm's lr is the best of an lr grid on seed 0 (by eval.py loss on the val split), chosen by
 # best_lr below from the committed tuning results (every grid row is in results/*.json). The
 # recipe-vs-baseline grid spans 1e-3..1e-1: on 1e-3..3e-2 the baseline's best was the 3e-2 edge.
-# The γ sweep's per-γ grid is 1e-3..3e-2 (time); a best at its edge is reported as such.
+# The γ sweep's per-γ grid is 1e-3..1e-1 too. A sweep whose finished point was run with other
+# settings (e.g. a best lr that moved) stops with an error instead of reporting it.
 #   python prepare_data.py text --out data/bi_bytes --tokenizer bytes --max-tokens 16M \
 #       --source en=../shared/data/corpus/en,weight=0.5 --source zh=../shared/data/corpus/zh/four_classics,weight=0.5
 #   bash results/cpu_lm.sh            # one point at a time, one thread: ~2 min per point
@@ -13,15 +14,25 @@ cd "$(dirname "$0")/.."
 JOBS=${JOBS:-1}
 BASE=config/cpu_lm.py
 LRS=0.001,0.003,0.01,0.03,0.1
-GAMMA_LRS=0.001,0.003,0.01,0.03
+GAMMA_LRS=$LRS  # first run on 1e-3..3e-2 (time); extended to 1e-1 after γ<=0.75 had their best at 3e-2
 SWEEP="python sweep.py $BASE --jobs $JOBS"
+made() { [ -s "$1" ]; }  # an analysis whose output exists is not redone (the script is rerun to resume)
 
-best_lr() {  # best_lr RESULTS ARM [GAMMA]: the lr of the lowest eval loss among the arm's rows
+best_lr() {  # best_lr RESULTS ARM [KEY=VALUE]: the lr of the lowest eval loss among the arm's rows (with that setting)
     python - "$@" <<'PY'
 import json, sys
-path, arm, gamma = sys.argv[1], sys.argv[2], (float(sys.argv[3]) if len(sys.argv) > 3 else None)
-rows = [r for r in json.load(open(path))["rows"] if r["arm"] == arm
-        and (gamma is None or r["setting"].get("gamma", r["config"]["gamma"]) == gamma)]
+path, arm = sys.argv[1], sys.argv[2]
+key, _, want = (sys.argv[3] if len(sys.argv) > 3 else "").partition("=")
+
+def value(row):  # a grid/arm setting, else the resolved config (dotted keys into its dicts)
+    if key in row["setting"]:
+        return row["setting"][key]
+    out = row["config"]
+    for part in key.split("."):
+        out = out[part]
+    return out
+
+rows = [r for r in json.load(open(path))["rows"] if r["arm"] == arm and (not key or value(r) == float(want))]
 print(min(rows, key=lambda r: r["eval"]["loss"]["summary"]["loss"])["setting"]["lr"])
 PY
 }
@@ -48,27 +59,68 @@ $SWEEP --name layernorm --eval loss,sink --seeds 0,1,2 \
 # 3. γ sweep with ε=1e-12 and the gate: each γ's lr tuned on seed 0, then 3 seeds at its best.
 $SWEEP --name gamma_lr --grid gamma=0.3,0.5,0.75,1.25,1.5 --grid lr=$GAMMA_LRS --seeds 0
 arms=()
-for g in 0.3 0.5 0.75 1.25 1.5; do arms+=(--arm "gamma$g=,gamma=$g,lr=$(best_lr results/gamma_lr.json base $g)"); done
+for g in 0.3 0.5 0.75 1.25 1.5; do arms+=(--arm "gamma$g=,gamma=$g,lr=$(best_lr results/gamma_lr.json base gamma=$g)"); done
 arms+=(--arm "gamma1.0=,gamma=1.0,lr=$R")  # the settings sweep's recipe arm again, so this file holds every γ
 $SWEEP --name gamma --seeds 0,1,2 "${arms[@]}"
 
 # 4. Condensation: weight structure over the settings runs' kept checkpoints (steps 0..320).
 mkdir -p results/condensation results/tokens
 for arm in recipe baseline; do
-    for s in 0 1 2; do python eval.py weights out/sweeps/settings/$arm-seed$s --json-out results/condensation/$arm-seed$s.json; done
-    python eval.py weights out/sweeps/settings/$arm-seed0 --plot results/condensation/trajectory_$arm-seed0.png
+    for s in 0 1 2; do
+        made results/condensation/$arm-seed$s.json || python eval.py weights out/sweeps/settings/$arm-seed$s --json-out results/condensation/$arm-seed$s.json
+    done
+    made results/condensation/trajectory_$arm-seed0.png || python eval.py weights out/sweeps/settings/$arm-seed0 --plot results/condensation/trajectory_$arm-seed0.png
     for step in 00000010 00000320; do
-        python eval.py weights out/sweeps/settings/$arm-seed0/ckpt_$step --heatmap results/condensation/heatmap_$arm-seed0_step${step#0000}.png
+        made results/condensation/heatmap_$arm-seed0_step${step#0000}.png ||
+            python eval.py weights out/sweeps/settings/$arm-seed0/ckpt_$step --heatmap results/condensation/heatmap_$arm-seed0_step${step#0000}.png
     done
 done
 # 5. Token level: Δsym of the recipe over the baseline by difficulty bucket, per seed.
 for s in 0 1 2; do
-    python eval.py tokens out/sweeps/settings/recipe-seed$s out/sweeps/settings/baseline-seed$s --tokens 262144 \
+    made results/tokens/recipe_vs_baseline_seed$s.json || python eval.py tokens out/sweeps/settings/recipe-seed$s out/sweeps/settings/baseline-seed$s --tokens 262144 \
         --json-out results/tokens/recipe_vs_baseline_seed$s.json $( [ $s = 0 ] && echo --plot results/tokens/recipe_vs_baseline_seed0.png )
 done
+# 6. Token budget (2b): recipe vs baseline from 2 to 40 tokens per non-embedding parameter (20 is
+# the settings sweep's 320 steps); warmup stays a tenth of the budget. Each arm keeps its lr tuned at
+# 320 steps: neither arm is retuned per budget.
+$SWEEP --name budget --seeds 0,1,2 --arm recipe=,lr=$R --arm baseline=config/_baseline.py,lr=$B \
+    --grid max_steps:warmup_steps=32:3,96:10,640:64
+
+# 7. Weight-decay pairing (2b): γ=1 with matrix decay 1.0 (its lr tuned on the same grid) against
+# γ=0.5 with 0.1, the γ sweep's gamma0.5 arm (ε=1e-12 and the gate in both).
+$SWEEP --name wd_lr --arm recipe_wd1=,weight_decay.matrix=1.0 --grid lr=$LRS --seeds 0
+$SWEEP --name wd --seeds 0,1,2 --arm "recipe_wd1=,weight_decay.matrix=1.0,lr=$(best_lr results/wd_lr.json recipe_wd1)"
+
+# 8. Scale (3): widths 24, 32, 48 next to 64 (the settings sweep), 2 layers, ~20 tokens per
+# non-embedding parameter each (21k, 43k, 72k, 131k parameters); both arms' lr tuned per width on
+# 3e-3..3e-2 (seed 0), then 3 seeds at each best.
+SIZES=model.d_model:max_steps:warmup_steps=24:52:5,32:104:10,48:176:18
+$SWEEP --name scale_lr --arm recipe= --arm baseline=config/_baseline.py --grid $SIZES --grid lr=0.003,0.01,0.03 --seeds 0
+arms=()
+for size in 24:52:5 32:104:10 48:176:18; do
+    IFS=: read -r d steps warm <<<"$size"
+    for arm in recipe baseline; do
+        file=$([ $arm = baseline ] && echo config/_baseline.py)
+        arms+=(--arm "${arm}_d$d=$file,model.d_model=$d,max_steps=$steps,warmup_steps=$warm,lr=$(best_lr results/scale_lr.json $arm model.d_model=$d)")
+    done
+done
+$SWEEP --name scale --seeds 0,1,2 "${arms[@]}"
+
+# 9. MoE (7): 4 experts of width 96, top-2 (the dense model's active MLP width), both arms' lr on
+# 3e-3..3e-2 (seed 0), then 3 seeds at each best.
+MOE="--set model.n_experts=4 --set model.top_k=2 --set model.d_expert=96"
+$SWEEP --name moe_lr $MOE --arm recipe= --arm baseline=config/_baseline.py --grid lr=0.003,0.01,0.03 --seeds 0
+$SWEEP --name moe $MOE --seeds 0,1,2 --arm "recipe=,lr=$(best_lr results/moe_lr.json recipe)" \
+    --arm "baseline=config/_baseline.py,lr=$(best_lr results/moe_lr.json baseline)"
+
 # The README tables and plots.
 python eval.py report results/lr_tune.json --plot-x lr --out results/report_lr.md
 python eval.py report results/settings.json results/layernorm.json --plot-x arm --out results/report_settings.md
 python eval.py report results/gamma_lr.json --out results/report_gamma_lr.md
 python eval.py report results/gamma.json --plot-x gamma --out results/report_gamma.md
 python eval.py report results/condensation/*.json results/tokens/*.json --out results/report_analyses.md
+python eval.py report results/budget.json --plot-x max_steps --out results/report_budget.md
+python eval.py report results/wd_lr.json results/wd.json --out results/report_wd.md
+python eval.py report results/scale_lr.json --out results/report_scale_lr.md
+python eval.py report results/scale.json --plot-x model.d_model --out results/report_scale.md
+python eval.py report results/moe_lr.json results/moe.json --plot-x arm --out results/report_moe.md

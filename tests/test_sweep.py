@@ -43,10 +43,24 @@ def test_points_expand_arms_grid_and_seeds_in_order(tmp_path):
         "--model.attn_gate=none", "--seed=0", "--out_dir=out/x"]
 
 
+def test_zipped_grid_keys_move_together():
+    grid = sweep.parse_grid(["max_steps:warmup_steps=32:3,320:32", "lr=0.1,0.2"])
+    assert grid == {"max_steps:warmup_steps": [[32, 3], [320, 32]], "lr": [0.1, 0.2]}
+    pts = sweep.points({"r": {"configs": [], "set": {}}}, grid, [0])
+    # 2 zipped pairs x 2 lrs, not the 2x2x2 a crossed grid of the three keys would give
+    assert [p["setting"] for p in pts] == [
+        {"max_steps": 32, "warmup_steps": 3, "lr": 0.1}, {"max_steps": 32, "warmup_steps": 3, "lr": 0.2},
+        {"max_steps": 320, "warmup_steps": 32, "lr": 0.1}, {"max_steps": 320, "warmup_steps": 32, "lr": 0.2}]
+    assert pts[0]["name"] == "r-max_steps=32-warmup_steps=3-lr=0.1-seed0"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--grid", "seed=1,2"], "--grid seed: the sweep sets seed itself"),
     (["--grid", "lr"], "--grid 'lr': write KEY=V1,V2"),
     (["--grid", "lr=1", "--grid", "lr=2"], "--grid lr given twice"),
+    (["--grid", "lr=1", "--grid", "max_steps:lr=2:1"], "--grid lr given twice"),
+    (["--grid", "max_steps:warmup_steps=32:3,64"], "--grid max_steps:warmup_steps: value '64' has 1 parts for 2 keys"),
+    (["--arm", "a=,warmup_steps=1", "--grid", "max_steps:warmup_steps=2:1"], "--arm a sets warmup_steps, which the grid sweeps"),
     (["--arm", "a=,lr=1", "--grid", "lr=2"], "--arm a sets lr, which the grid sweeps"),
     (["--arm", "a=missing.py"], "--arm a: no such config file 'missing.py'"),
     (["--set", "out_dir=x"], "--set out_dir: the sweep sets out_dir itself"),
@@ -92,6 +106,11 @@ def test_sweep_rows_match_run_folders_and_second_call_runs_nothing(data_dir, tmp
     again = run_sweep(args, tmp_path)
     assert again.returncode == 0 and "2 finished, 0 to run" in again.stdout
     assert {d: (tmp_path / "out" / "sweeps" / "lr" / d / "sweep.log").read_text() for d in logs} == logs
+    assert json.loads((tmp_path / "results" / "lr.json").read_text()) == result
+    # a changed definition of a finished point (here every point's warmup) is refused, not reported
+    changed = run_sweep(args + ["--set", "warmup_steps=2"], tmp_path)
+    assert changed.returncode == 1 and "error: point base-lr=0.001-seed0 in" in changed.stderr
+    assert "was run as `python train.py" in changed.stderr and changed.stderr.count("\n") == 1
     assert json.loads((tmp_path / "results" / "lr.json").read_text()) == result
 
 
