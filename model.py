@@ -197,7 +197,10 @@ def rope_cos_sin(start, seq_len, head_dim, theta, device):
 
 
 def apply_rope(x, cos, sin):
-    # Rotates the pairs (i, i + head_dim/2): x is (B, H, T, head_dim), cos/sin are (T, head_dim/2).
+    # Rotates the pairs (i, i + head_dim/2): x is (B, T, H, head_dim), the projection's own
+    # contiguous layout (on the (B, H, T, head_dim) transpose every elementwise op strides),
+    # and cos/sin are (T, head_dim/2), broadcast over the heads.
+    cos, sin = cos[:, None], sin[:, None]
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
@@ -280,10 +283,9 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         start = 0 if kv is None else kv[2]
         cos, sin = rope_cos_sin(start, T, self.head_dim, self.rope_theta, x.device)
-        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q = apply_rope(self.wq(x).view(B, T, self.n_head, self.head_dim), cos, sin).transpose(1, 2)
+        k = apply_rope(self.wk(x).view(B, T, self.n_kv_head, self.head_dim), cos, sin).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is not None:
             k_cache, v_cache, _ = kv
             k_cache[:, :, start:start + T], v_cache[:, :, start:start + T] = k, v

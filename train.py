@@ -545,6 +545,8 @@ def save_checkpoint(cfg, step, net, opt, loader, meta, last_good):
         if os.path.exists(final):  # a damaged one that resume fell back from: replaced
             prune_checkpoint(final)
         os.rename(tmp, final)
+        # keep_last counts complete checkpoints (each .metadata read, ms apiece), so a damaged
+        # newer folder never displaces a good older one
         done = complete_checkpoints(cfg["out_dir"])
         for old in done[:-cfg["keep_last"]]:
             old_step = int(os.path.basename(old)[5:])
@@ -573,12 +575,12 @@ def disk_full(error, folder, need_bytes):
     return shutil.disk_usage(folder).free < need_bytes
 
 
-def load_checkpoint(path, net, opt, loader, cfg_weight_decay):
+def load_checkpoint(path, meta, net, opt, loader, cfg_weight_decay):
+    """Load ckpt folder `path` (its meta.json already read as `meta`) into net, opt and loader."""
     model_sd, optim_sd = get_state_dict(net, opt)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)  # DCP reshards when the world size changed
     set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    meta = read_json(os.path.join(path, "meta.json"))
     if meta["step"] == 0:
         opt.state.clear()  # the init checkpoint's optimizer is fresh (see save_checkpoint)
     for group in opt.param_groups:  # the config's weight decay wins over the checkpoint's (sweeps)
@@ -593,7 +595,6 @@ def load_checkpoint(path, net, opt, loader, cfg_weight_decay):
         torch.set_rng_state(rng["cpu"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    return meta
 
 
 def find_checkpoints(path):
@@ -932,7 +933,7 @@ def train(cfg):
                               f"(the changes are recorded in metrics.jsonl)")
         why = None
         try:
-            load_checkpoint(path, net, opt, loader, cfg["weight_decay"])
+            load_checkpoint(path, meta, net, opt, loader, cfg["weight_decay"])
         except ValueError:
             raise  # the data no longer fits the checkpoint: the user's to fix, not damage
         except (Exception, CheckpointException) as e:  # unreadable bytes: DCP raises a BaseException

@@ -105,6 +105,29 @@ for size in 24:52:5 32:104:10 48:176:18; do
     done
 done
 $SWEEP --name scale --seeds 0,1,2 "${arms[@]}"
+# The fit: L(N) = a·N^-α + c through the baseline's 4 widths (d64 from the settings sweep), the
+# recipe's widths as effective baseline sizes. Once on the seed means (delta-method error from
+# the fit), once per seed (seed s of every width), so the multiple's spread over seeds shows.
+scale_points() {  # scale_points ARM SEED|mean: N=loss per width, N the non-embedding parameters
+    python - "$@" <<'PY'
+import json, statistics, sys
+arm, seed = sys.argv[1], sys.argv[2]
+rows = [r for f in ("results/scale.json", "results/settings.json") for r in json.load(open(f))["rows"]
+        if r["arm"] == arm or r["arm"].startswith(arm + "_d")]
+by_n = {}
+for r in rows:
+    if seed == "mean" or r["seed"] == int(seed):
+        s = r["eval"]["loss"]["summary"]
+        by_n.setdefault(s["params_nonembedding"], []).append(s["loss"])
+print(" ".join(f"{n}={statistics.mean(v)!r}" for n, v in sorted(by_n.items())))
+PY
+}
+mkdir -p results/scaling
+for s in mean 0 1 2; do
+    out=results/scaling/$([ $s = mean ] && echo mean || echo seed$s)
+    made $out.json || python eval.py scaling --baseline $(scale_points baseline $s) \
+        --compare $(scale_points recipe $s) --json-out $out.json $( [ $s = mean ] && echo --plot $out.png )
+done
 
 # 9. MoE (7): 4 experts of width 96, top-2 (the dense model's active MLP width), both arms' lr on
 # 3e-3..3e-2 (seed 0), then 3 seeds at each best.
@@ -123,4 +146,5 @@ python eval.py report results/budget.json --plot-x max_steps --out results/repor
 python eval.py report results/wd_lr.json results/wd.json --out results/report_wd.md
 python eval.py report results/scale_lr.json --out results/report_scale_lr.md
 python eval.py report results/scale.json --plot-x model.d_model --out results/report_scale.md
+python eval.py report results/scaling/*.json --out results/report_scaling.md
 python eval.py report results/moe_lr.json results/moe.json --plot-x arm --out results/report_moe.md

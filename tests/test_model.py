@@ -81,8 +81,8 @@ def test_rope_depends_only_on_relative_position():
     assert torch.allclose(later_cos, cos[5:], atol=1e-6) and torch.allclose(later_sin, sin[5:], atol=1e-6)
     # The same query and key vectors at positions (m, n) and (m + s, n + s) give the same score.
     q, k = torch.randn(16), torch.randn(16)
-    rotated_q = apply_rope(q.expand(1, 1, 12, 16), cos, sin)[0, 0]
-    rotated_k = apply_rope(k.expand(1, 1, 12, 16), cos, sin)[0, 0]
+    rotated_q = apply_rope(q.expand(1, 12, 1, 16), cos, sin)[0, :, 0]  # (B, T, H, head_dim)
+    rotated_k = apply_rope(k.expand(1, 12, 1, 16), cos, sin)[0, :, 0]
     scores = rotated_q @ rotated_k.T
     assert torch.allclose(scores[7, 2], scores[10, 5], atol=1e-5) and torch.allclose(scores[4, 4], scores[11, 11], atol=1e-5)
     assert not torch.allclose(scores[7, 2], scores[7, 5], atol=1e-3)

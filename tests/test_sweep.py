@@ -54,6 +54,22 @@ def test_zipped_grid_keys_move_together():
     assert pts[0]["name"] == "r-max_steps=32-warmup_steps=3-lr=0.1-seed0"
 
 
+def test_a_finished_point_is_stale_when_its_command_or_evaluations_change(tmp_path):
+    class Args:
+        base, set, eval = "config/cpu_lm.py", ["max_steps=2"], ["loss"]
+    point = sweep.points({"r": {"configs": [], "set": {"lr": 0.01}}}, {}, [0])[0]
+    run = str(tmp_path / point["name"])
+    assert sweep.stale_reason(Args, point, run) is None  # not run yet: nothing to compare
+    os.makedirs(run)
+    command = ["python", "train.py", *sweep.train_args(Args, point, run)]
+    (tmp_path / point["name"] / "sweep_point.json").write_text(json.dumps({"command": command, "eval": {"loss": {}}}))
+    assert sweep.stale_reason(Args, point, run) is None
+    Args.eval = ["loss", "sink"]
+    assert sweep.stale_reason(Args, point, run) == "was evaluated without sink"
+    Args.eval, point["arm_set"] = ["loss"], {"lr": 0.03}
+    assert sweep.stale_reason(Args, point, run) == f"was run as `{' '.join(command)}`"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--grid", "seed=1,2"], "--grid seed: the sweep sets seed itself"),
     (["--grid", "lr"], "--grid 'lr': write KEY=V1,V2"),
