@@ -618,8 +618,23 @@ def sweep_table(result):
     groups = {}
     for row in result["rows"]:
         groups.setdefault((row["arm"], json.dumps(row["setting"], sort_keys=True)), []).append(row)
+
+    def paired(reference, rows, metrics):
+        # Paired by seed: a seed fixes the init draw and the data order in every arm, so the
+        # per-seed difference removes the variance the arms share.
+        ref = {r["seed"]: sweep_metrics(r)["loss"] for r in reference}
+        deltas = [m["loss"] - ref[r["seed"]] for r, m in zip(rows, metrics) if r["seed"] in ref]
+        if not deltas:
+            return None
+        mean, std, half = mean_interval(deltas)
+        return f"{mean:+.4f}" + ("" if std is None else f" ± {std:.4f} [{mean - half:+.4f}, {mean + half:+.4f}]")
+
+    # Arms crossed with a grid (an lr grid, token budgets): each line also against the first
+    # arm at the same setting, the comparison such a sweep is run for.
+    first_arm = next(iter(groups))[0]
+    crossed = len({arm for arm, _ in groups}) > 1 and any(setting != "{}" for _, setting in groups)
     lines = []
-    for (arm, _), rows in groups.items():
+    for (arm, setting), rows in groups.items():
         metrics = [sweep_metrics(r) for r in rows]
         line = {"arm": arm, **rows[0]["setting"], "seeds": ",".join(str(r["seed"]) for r in rows)}
         for key in metrics[0]:
@@ -627,13 +642,11 @@ def sweep_table(result):
             line[key] = f"{mean:.4f}" + ("" if std is None else f" ± {std:.4f}")
         mean, _, half = mean_interval([m["loss"] for m in metrics])
         line["loss_95ci"] = "-" if half is None else f"[{mean - half:.4f}, {mean + half:.4f}]"
-        # Paired by seed against the first line: a seed fixes the init draw and the data order in
-        # every arm, so the per-seed difference removes the variance the arms share.
-        first = {r["seed"]: sweep_metrics(r)["loss"] for r in next(iter(groups.values()))}
-        deltas = [m["loss"] - first[r["seed"]] for r, m in zip(rows, metrics) if r["seed"] in first]
-        if lines and deltas:
-            mean, std, half = mean_interval(deltas)
-            line["dloss_vs_first"] = f"{mean:+.4f}" + ("" if std is None else f" ± {std:.4f} [{mean - half:+.4f}, {mean + half:+.4f}]")
+        delta = paired(next(iter(groups.values())), rows, metrics)
+        if lines and delta:
+            line["dloss_vs_first"] = delta
+        if crossed and arm != first_arm and (first_arm, setting) in groups:
+            line[f"dloss_vs_{first_arm}"] = paired(groups[(first_arm, setting)], rows, metrics) or "-"
         line["tokens"] = rows[0]["tokens"]
         lines.append(line)
     return lines
@@ -668,6 +681,9 @@ def plot_sweep(result, x_key, path):
         ax.set_xticks(range(len(arms)), arms, rotation=20)
     elif x_key in ("lr", "model.norm_eps", "max_steps", "model.d_model"):
         ax.set_xscale("log")
+        xs = sorted({x for points in series.values() for x in points})
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])  # the swept values, not log decades
+        ax.minorticks_off()
     ax.set_xlabel(x_key)
     ax.set_ylabel("validation loss (eval.py loss)")
     ax.set_title(result["name"])

@@ -179,6 +179,17 @@ def test_report_aggregates_seeds_by_hand(tmp_path, capsys):
     # differences 0.5, 0, 0.5 by seed: mean 1/3, std sqrt(1/12), half-width 4.303 * sqrt(1/12) / sqrt(3)
     half = 4.303 * math.sqrt(1 / 12) / math.sqrt(3)
     assert paired == f"+0.3333 ± 0.2887 [{1 / 3 - half:+.4f}, {1 / 3 + half:+.4f}]"
+    # arms crossed with a grid: each line also paired with the first arm at its own setting
+    crossed = synthetic_result({"a": [1.0, 2.0], "b": [1.5, 3.0]})
+    crossed["rows"] += [{**r, "setting": {"lr": 0.1}, "eval": {"loss": {"summary": {"loss": loss}, "rows": []}}}
+                        for r, loss in zip(crossed["rows"], [4.0, 4.0, 3.0, 3.5])]
+    table = ev.sweep_table(crossed)  # lines: a@0.01, b@0.01, a@0.1, b@0.1
+    # per-seed differences 0.5, 1.0 (and -1.0, -0.5): std sqrt(1/8), half-width 12.7062 * sqrt(1/8) / sqrt(2)
+    half = 12.7062 * math.sqrt(1 / 8) / math.sqrt(2)
+    assert [line.get("dloss_vs_a") for line in table] == [
+        None, f"+0.7500 ± 0.3536 [{0.75 - half:+.4f}, {0.75 + half:+.4f}]",
+        None, f"-0.7500 ± 0.3536 [{-0.75 - half:+.4f}, {-0.75 + half:+.4f}]"]
+    assert table[3]["dloss_vs_first"] == f"+1.7500 ± 0.3536 [{1.75 - half:+.4f}, {1.75 + half:+.4f}]"  # vs a@0.01
     path = tmp_path / "syn.json"
     path.write_text(json.dumps(synthetic_result({"a": [1.0, 2.0, 3.0]})))
     ev.main(["report", str(path), "--out", str(tmp_path / "r.md")])
