@@ -136,6 +136,15 @@ $SWEEP --name moe_lr $MOE --arm recipe= --arm baseline=config/_baseline.py --gri
 $SWEEP --name moe $MOE --seeds 0,1,2 --arm "recipe=,lr=$(best_lr results/moe_lr.json recipe)" \
     --arm "baseline=config/_baseline.py,lr=$(best_lr results/moe_lr.json baseline)"
 
+# 10. lr transfer across width (8): the residual-flow argument says γ=1 makes updates
+# width-independent, so its best lr should move less with width than γ=0.5's. Widths 32, 64,
+# 128 (2 layers), one budget for all (96 steps), the 5-point lr grid, seed 0, one sweep per arm.
+for arm in recipe baseline; do
+    file=$([ $arm = baseline ] && echo config/_baseline.py)
+    $SWEEP --name lr_width_$arm --grid lr=$LRS --set max_steps=96 --set warmup_steps=10 \
+        $(for d in 32 64 128; do echo --arm "${arm}_d$d=$file,model.d_model=$d"; done)
+done
+
 # The README tables and plots.
 python eval.py report results/lr_tune.json --plot-x lr --out results/report_lr.md
 python eval.py report results/settings.json results/layernorm.json --plot-x arm --out results/report_settings.md
@@ -147,4 +156,5 @@ python eval.py report results/wd_lr.json results/wd.json --out results/report_wd
 python eval.py report results/scale_lr.json --out results/report_scale_lr.md
 python eval.py report results/scale.json --plot-x model.d_model --out results/report_scale.md
 python eval.py report results/scaling/*.json --out results/report_scaling.md
+python eval.py report results/lr_width_recipe.json results/lr_width_baseline.json --plot-x lr --out results/report_lr_width.md
 python eval.py report results/moe_lr.json results/moe.json --plot-x arm --out results/report_moe.md
