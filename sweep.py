@@ -138,9 +138,14 @@ def check_key(key, where):
         raise ValueError(f"{where} {key}: the sweep sets {key} itself (use --seeds for seeds)")
 
 
+EVALS = ("loss", "sink", "anchor")
+
+
 def eval_commands(args, run_dir):
-    """One eval.py call per analysis in --eval; each writes eval_<analysis>.json in the run."""
-    return {name: ["eval.py", name, run_dir, "--tokens", str(args.eval_tokens),
+    """One eval.py call per analysis in --eval; each writes eval_<analysis>.json in the run.
+    anchor is `eval.py bench --task anchor` on the run's own data (the held-out pair's answers)."""
+    return {name: ["eval.py", *(["bench", run_dir, "--task", "anchor"] if name == "anchor"
+                                else [name, run_dir, "--tokens", str(args.eval_tokens)]),
                    "--json-out", os.path.join(run_dir, f"eval_{name}.json")] for name in args.eval}
 
 
@@ -253,7 +258,7 @@ def main(argv=None):
     p.add_argument("--seeds", default="0", help="comma-separated seeds (init and data order)")
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE fixed for every point (repeatable)")
     p.add_argument("--name", required=True, help="sweep name: out/sweeps/<name>/, results/<name>.json")
-    p.add_argument("--eval", default="loss", help="comma-separated eval.py analyses per point (loss, sink)")
+    p.add_argument("--eval", default="loss", help="comma-separated eval.py analyses per point (loss, sink, anchor)")
     p.add_argument("--eval-tokens", type=int, default=262144, help="validation tokens per evaluation")
     p.add_argument("--jobs", type=int, default=1, help="points side by side, one thread each")
     p.add_argument("--out-root", default="out/sweeps")
@@ -265,9 +270,9 @@ def main(argv=None):
     try:
         args.seeds = [int(s) for s in args.seeds.split(",")]
         args.eval = [e for e in args.eval.split(",") if e]
-        unknown = sorted(set(args.eval) - {"loss", "sink"})
+        unknown = sorted(set(args.eval) - set(EVALS))
         if unknown:
-            raise ValueError(f"--eval {','.join(unknown)}: choose from loss, sink")
+            raise ValueError(f"--eval {','.join(unknown)}: choose from {', '.join(EVALS)}")
         if not os.path.isfile(args.base):
             raise ValueError(f"no such base config {args.base!r}")
         if args.jobs < 1:
@@ -315,8 +320,8 @@ def run_all(args, pending, todo):
             pt = futures[fut]
             try:
                 row = fut.result()
-                loss = row["eval"].get("loss", {}).get("summary", {}).get("loss")
-                print(f"done {pt['name']}: val loss {loss if loss is None else round(loss, 4)} "
+                loss = row["final_val_loss"]  # train.py's last evaluation (every --eval may lack a loss)
+                print(f"done {pt['name']}: final val loss {loss if loss is None else round(loss, 4)} "
                       f"in {row['wall_s']:.0f}s", flush=True)
             except RuntimeError as e:
                 failures.append(str(e))

@@ -80,7 +80,7 @@ def test_a_finished_point_is_stale_when_its_command_or_evaluations_change(tmp_pa
     (["--arm", "a=,lr=1", "--grid", "lr=2"], "--arm a sets lr, which the grid sweeps"),
     (["--arm", "a=missing.py"], "--arm a: no such config file 'missing.py'"),
     (["--set", "out_dir=x"], "--set out_dir: the sweep sets out_dir itself"),
-    (["--eval", "tokens"], "--eval tokens: choose from loss, sink"),
+    (["--eval", "tokens"], "--eval tokens: choose from loss, sink, anchor"),
 ])
 def test_bad_input_is_one_line(argv, message):
     with pytest.raises(SystemExit) as e:

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The anchor-task experiments of README "Results" (issue 9, item 6). Resumable like cpu_lm.sh:
+# every sweep skips its finished points. Each run is config/anchor_gamma1.py's (2 layers, d 64,
+# 4,680 steps, lr 1e-3) with the named changes; its held-out pair is scored by eval.py bench.
+#   bash results/anchor.sh [phase|robust|report ...]   # default: all three; ~2 min per run on one core
+set -uo pipefail  # no -e: a failed point (or sweep) must not stop the later sweeps
+cd "$(dirname "$0")/.."
+SWEEP="python sweep.py config/anchor_gamma1.py --eval anchor --jobs ${JOBS:-1}"
+anchor_data() {  # anchor_data NAME [prepare_data.py anchor options]: data/NAME, made once
+    local out=data/$1; shift
+    [ -f $out/meta.json ] || python prepare_data.py anchor --out $out "$@"
+}
+SECTIONS=${*:-phase robust report}
+
+for section in $SECTIONS; do case $section in
+phase)
+    # Phase diagram: depth x γ with ε=1e-12 and the gate held (only γ and depth move), 2 seeds
+    # (a seed is the init draw and the data order; the data set is data/anchor's seed 0).
+    anchor_data anchor
+    $SWEEP --name anchor_phase --grid model.n_layer=1,2,3,4 --grid gamma=0.3,0.5,0.75,1.0,1.25 --seeds 0,1
+    ;;
+robust)
+    # Robustness of the recipe-vs-baseline contrast beyond the tuned task, 3 seeds each:
+    # other held-out pairs (their mirror trained with a shift that is no pair's composite:
+    # the composites are 10, 6, 3, 2, -1, -3, -4, -7, -10, -16) and a longer sequence (15 inputs:
+    # the key at any of 13 positions instead of 7).
+    anchor_data anchor_heldout24 --heldout 2,4 --mirror-shift -5
+    anchor_data anchor_heldout13 --heldout 1,3 --mirror-shift 8
+    anchor_data anchor_len15 --seq-len 15
+    for variant in heldout24 heldout13 len15; do
+        extra=$([ $variant = len15 ] && echo "--set seq_len=15")
+        $SWEEP --name anchor_$variant --arm recipe= --arm baseline=config/_baseline.py --seeds 0,1,2 \
+            --set data_dir=data/anchor_$variant $extra
+    done
+    ;;
+report)
+    python eval.py report results/anchor_phase.json --plot-x gamma --plot-y model.n_layer \
+        --plot-metric heldout_inferential --out results/report_anchor_phase.md
+    python eval.py report results/anchor_heldout24.json results/anchor_heldout13.json results/anchor_len15.json \
+        --out results/report_anchor_robust.md
+    ;;
+*) echo "unknown section $section: phase, robust or report" >&2; exit 2 ;;
+esac; done
