@@ -601,13 +601,21 @@ def config_value(config, key):
     raise KeyError(key)
 
 
+ANCHOR_METRICS = ("seen_pair_acc", "test_key_acc", "heldout_inferential", "heldout_symmetric", "heldout_other")
+
+
 def sweep_metrics(row):
     """The numbers a sweep row is compared by: eval.py loss (overall and per source), the
-    first-token attention share when `sink` was evaluated, and train.py's best val loss."""
-    loss = row["eval"]["loss"]
-    out = {"loss": loss["summary"]["loss"], **{f"loss_{r['source']}": r["loss"] for r in loss["rows"]}}
-    if "sink" in row["eval"]:
-        out["sink_first"] = row["eval"]["sink"]["summary"]["mean_share_first"]
+    first-token attention share when `sink` was evaluated, the anchor task's accuracies and
+    held-out answer shares when `anchor` was, and train.py's best val loss."""
+    out, evals = {}, row["eval"]
+    if "loss" in evals:
+        out["loss"] = evals["loss"]["summary"]["loss"]
+        out.update((f"loss_{r['source']}", r["loss"]) for r in evals["loss"]["rows"])
+    if "sink" in evals:
+        out["sink_first"] = evals["sink"]["summary"]["mean_share_first"]
+    if "anchor" in evals:
+        out.update((k, evals["anchor"]["summary"][k]) for k in ANCHOR_METRICS)
     out["best_val_loss"] = row["best_val_loss"]
     return out
 
@@ -640,23 +648,24 @@ def sweep_table(result):
         for key in metrics[0]:
             mean, std, _ = mean_interval([m[key] for m in metrics])
             line[key] = f"{mean:.4f}" + ("" if std is None else f" ± {std:.4f}")
-        mean, _, half = mean_interval([m["loss"] for m in metrics])
-        line["loss_95ci"] = "-" if half is None else f"[{mean - half:.4f}, {mean + half:.4f}]"
-        delta = paired(next(iter(groups.values())), rows, metrics)
-        if lines and delta:
-            line["dloss_vs_first"] = delta
-        if crossed and arm != first_arm and (first_arm, setting) in groups:
-            line[f"dloss_vs_{first_arm}"] = paired(groups[(first_arm, setting)], rows, metrics) or "-"
+        if "loss" in metrics[0]:  # a sweep without eval.py loss (the anchor task's) has no loss columns
+            mean, _, half = mean_interval([m["loss"] for m in metrics])
+            line["loss_95ci"] = "-" if half is None else f"[{mean - half:.4f}, {mean + half:.4f}]"
+            delta = paired(next(iter(groups.values())), rows, metrics)
+            if lines and delta:
+                line["dloss_vs_first"] = delta
+            if crossed and arm != first_arm and (first_arm, setting) in groups:
+                line[f"dloss_vs_{first_arm}"] = paired(groups[(first_arm, setting)], rows, metrics) or "-"
         line["tokens"] = rows[0]["tokens"]
         lines.append(line)
     return lines
 
 
-def plot_sweep(result, x_key, path):
-    """Loss (mean ± std over seeds, every seed a gray dot) against one setting: a line per arm, or
-    one line across the arms when each arm is a value of that setting (a γ sweep whose arms carry
-    their own tuned lr; one line per arm config file, e.g. recipe and baseline sizes). x_key
-    "arm": the arms as categories (ablations)."""
+def plot_sweep(result, x_key, path, metric="loss"):
+    """A metric (mean ± std over seeds, every seed a gray dot) against one setting: a line per arm,
+    or one line across the arms when each arm is a value of that setting (a γ sweep whose arms
+    carry their own tuned lr; one line per arm config file, e.g. recipe and baseline sizes).
+    x_key "arm": the arms as categories (ablations)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     series, arms = {}, list(dict.fromkeys(row["arm"] for row in result["rows"]))
@@ -669,7 +678,7 @@ def plot_sweep(result, x_key, path):
             files = "+".join(os.path.basename(f) for f in row["arm_configs"])
             label = (result["name"] + (f" + {files}" if files else "")) if x_key in row["arm_set"] else row["arm"]
             x = config_value(row["config"], x_key)
-        series.setdefault(label, {}).setdefault(x, []).append(row["eval"]["loss"]["summary"]["loss"])
+        series.setdefault(label, {}).setdefault(x, []).append(sweep_metrics(row)[metric])
     for label, points in series.items():
         xs = sorted(points)
         stats = [mean_interval(points[x]) for x in xs]
@@ -685,10 +694,45 @@ def plot_sweep(result, x_key, path):
         ax.set_xticks(xs, [f"{x:g}" for x in xs])  # the swept values, not log decades
         ax.minorticks_off()
     ax.set_xlabel(x_key)
-    ax.set_ylabel("validation loss (eval.py loss)")
+    ax.set_ylabel("validation loss (eval.py loss)" if metric == "loss" else metric)
     ax.set_title(result["name"])
     if x_key != "arm":
         ax.legend(fontsize=8)
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def sweep_cells(result, x_key, y_key, metric):
+    """{(x, y): [the metric of every seed]} over a grid of two settings."""
+    cells = {}
+    for row in result["rows"]:
+        xy = (config_value(row["config"], x_key), config_value(row["config"], y_key))
+        cells.setdefault(xy, []).append(sweep_metrics(row)[metric])
+    return cells
+
+
+def plot_sweep_heatmap(result, x_key, y_key, path, metric):
+    """A metric's seed mean over a grid of two settings (the anchor task's depth x γ phase
+    diagram), every cell labelled with its mean ± std and its number of seeds."""
+    plt = pyplot()
+    cells = sweep_cells(result, x_key, y_key, metric)
+    xs, ys = sorted({x for x, _ in cells}), sorted({y for _, y in cells})
+    means = np.full((len(ys), len(xs)), np.nan)  # a cell with no finished run stays blank
+    fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(xs), 1.2 + 0.8 * len(ys)))
+    for (x, y), values in cells.items():
+        mean, std, _ = mean_interval(values)
+        means[ys.index(y), xs.index(x)] = mean
+        ax.text(xs.index(x), ys.index(y), f"{mean:.2f}" + ("" if std is None else f"±{std:.2f}") + f"\n({len(values)})",
+                ha="center", va="center", fontsize=8, color="white" if mean < 0.5 else "black")
+    shares = metric in ANCHOR_METRICS  # shares and accuracies: one scale, 0 to 1, for every plot
+    image = ax.imshow(means, origin="lower", aspect="auto", cmap="viridis",
+                      vmin=0 if shares else None, vmax=1 if shares else None)
+    ax.set_xticks(range(len(xs)), [f"{x:g}" for x in xs])
+    ax.set_yticks(range(len(ys)), [f"{y:g}" for y in ys])
+    ax.set_xlabel(x_key)
+    ax.set_ylabel(y_key)
+    ax.set_title(f"{result['name']}: {metric}, seed mean (seeds)")
+    fig.colorbar(image, ax=ax)
     save_figure(fig, path)
     plt.close(fig)
 
@@ -738,9 +782,13 @@ def run_report(args):
     for path, result in groups.pop("sweep", []):
         lines += [f"### sweep {result['name']} ({os.path.basename(path)}; {result['summary']['finished']} of "
                   f"{result['summary']['points']} points)", "", format_table(sweep_table(result), markdown=True), ""]
-        if args.plot_x:
-            plot = os.path.splitext(path)[0] + ".png"
-            plot_sweep(result, args.plot_x, plot)
+        for metric in args.plot_metric.split(",") if args.plot_x else []:
+            # beside the results JSON; named by the metric unless it is the loss
+            plot = os.path.splitext(path)[0] + ("" if metric == "loss" else f"_{metric}") + ".png"
+            if args.plot_y:
+                plot_sweep_heatmap(result, args.plot_x, args.plot_y, plot, metric)
+            else:
+                plot_sweep(result, args.plot_x, plot, metric)
             lines += [f"![{result['name']}]({os.path.relpath(plot, os.path.dirname(os.path.abspath(args.out)))})", ""]
     for analysis, items in groups.items():
         lines += [f"### {analysis}", "", format_table([{"file": os.path.basename(p), **r["summary"]} for p, r in items],
@@ -860,6 +908,9 @@ def build_parser():
     p.add_argument("results", nargs="+")
     p.add_argument("--out", default="report.md")
     p.add_argument("--plot-x", help="sweeps: plot loss against this setting (gamma, lr, ...; 'arm': arms as categories) beside each results JSON")
+    p.add_argument("--plot-y", help="sweeps: with --plot-x, a heatmap over the two settings (e.g. model.n_layer)")
+    p.add_argument("--plot-metric", default="loss", help="sweeps: what --plot-x plots, comma-separated "
+                   f"(loss, best_val_loss, sink_first, loss_<source>, {', '.join(ANCHOR_METRICS)})")
     p = command("sample", run_sample, "print continuations of a prompt", output=False)
     p.add_argument("--tokenizer-dir", help="offline tokenizer files (prepare_data.py --tokenizer-dir)")
     p.add_argument("--prompt", default="\n")

@@ -2,10 +2,11 @@
 # The anchor-task experiments of README "Results" (issue 9, item 6). Resumable like cpu_lm.sh:
 # every sweep skips its finished points. Each run is config/anchor_gamma1.py's (2 layers, d 64,
 # 4,680 steps, lr 1e-3) with the named changes; its held-out pair is scored by eval.py bench.
-#   bash results/anchor.sh [phase|robust|report ...]   # default: all three; ~2 min per run on one core
+#   bash results/anchor.sh [phase|robust|report ...]   # default: all three; 5-15 min per run on one core
 set -uo pipefail  # no -e: a failed point (or sweep) must not stop the later sweeps
 cd "$(dirname "$0")/.."
-SWEEP="python sweep.py config/anchor_gamma1.py --eval anchor --jobs ${JOBS:-1}"
+# compile: blocks under torch.compile run these small models ~1.8x faster (~30 s to compile).
+SWEEP="python sweep.py config/anchor_gamma1.py --eval anchor --set compile=True --jobs ${JOBS:-1}"
 anchor_data() {  # anchor_data NAME [prepare_data.py anchor options]: data/NAME, made once
     local out=data/$1; shift
     [ -f $out/meta.json ] || python prepare_data.py anchor --out $out "$@"
@@ -35,9 +36,9 @@ robust)
     ;;
 report)
     python eval.py report results/anchor_phase.json --plot-x gamma --plot-y model.n_layer \
-        --plot-metric heldout_inferential --out results/report_anchor_phase.md
+        --plot-metric heldout_inferential,heldout_symmetric --out results/report_anchor_phase.md
     python eval.py report results/anchor_heldout24.json results/anchor_heldout13.json results/anchor_len15.json \
-        --out results/report_anchor_robust.md
+        --plot-x arm --plot-metric heldout_inferential,heldout_symmetric --out results/report_anchor_robust.md
     ;;
 *) echo "unknown section $section: phase, robust or report" >&2; exit 2 ;;
 esac; done
