@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -20,8 +21,11 @@ SHORT_SWEEP = " ".join(f"--set {s}" for s in ("max_steps=4", "warmup_steps=1", "
 SHORT_ANCHOR = "--max_steps=30 --warmup_steps=5 --eval_interval=15 --ckpt_interval=15 --log_interval=10"
 
 # README command -> (where, reduced variant or None for the command as written, why it differs).
-# "run": executed in README order in one workspace; "kit": the same, needing the offline data
-# kit (tokenizer files, benchmark files); None: another test or CI runs it.
+# "run" and "side": executed in one workspace in README order, as two lanes side by side (one
+# core each). A "side" command reads only what the "run" commands before the first "side" one
+# wrote (the data folders), never what a later "run" command writes. "after": once both lanes
+# are done (it reads both lanes' output). "kit": after that, needing the offline data kit
+# (tokenizer files, benchmark files). None: another test or CI runs it.
 COMMANDS = {
     "make quickstart": (None, None, "tests/test_quickstart.py runs quickstart.py --smoke (reduced size)"),
     "make test": (None, None, "CI runs it (.ci/run)"),
@@ -37,27 +41,27 @@ COMMANDS = {
     "python train.py config/anchor_gamma1.py":
         ("run", f"python train.py config/anchor_gamma1.py {SHORT_ANCHOR}", "30 steps"),
     "torchrun --standalone --nproc_per_node=8 train.py config/gamma1_1p5b.py":
-        ("run", "python train.py config/gamma1_1p5b.py --dry_run=8", "no GPUs here: built and planned for 8 ranks"),
+        ("side", "python train.py config/gamma1_1p5b.py --dry_run=8", "no GPUs here: built and planned for 8 ranks"),
     "torchrun --nnodes=4 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 --rdzv_id=gamma1 "
     "train.py config/gamma1_1p5b.py":
-        ("run", "python train.py config/gamma1_1p5b.py --dry_run=32", "no GPUs here: planned for 4 x 8 ranks"),
-    "python train.py config/gamma1_1p5b.py --dry_run=8": ("run", None, ""),
+        ("side", "python train.py config/gamma1_1p5b.py --dry_run=32", "no GPUs here: planned for 4 x 8 ranks"),
+    "python train.py config/gamma1_1p5b.py --dry_run=8": ("side", None, ""),
     "python train.py export out/tiny_bytes/ckpt_00000500 tiny_bytes.pt":
         ("run", "python train.py export out/tiny_bytes/ckpt_00000006 tiny_bytes.pt", "the 6-step run's checkpoint"),
     "python sweep.py config/cpu_lm.py --arm recipe= --arm baseline=config/_baseline.py --grid lr=1e-3,3e-3,1e-2 "
     "--seeds 0,1,2 --name lr_grid --jobs 2":
-        ("run", "python sweep.py config/cpu_lm.py --arm recipe= --arm baseline=config/_baseline.py --grid lr=1e-3,1e-2 "
-                f"--seeds 0,1 --name lr_grid --jobs 2 --eval-tokens 4096 {SHORT_SWEEP} --set data_dir=data/bytes",
-         "4 steps, 2 lrs, 2 seeds, on the English bytes made above (data/bi_bytes comes later)"),
-    "python eval.py report results/lr_grid.json --plot-x lr --out report.md": ("run", None, ""),
+        ("side", "python sweep.py config/cpu_lm.py --arm recipe= --arm baseline=config/_baseline.py --grid lr=1e-3,1e-2 "
+                 f"--seeds 0 --name lr_grid --jobs 2 --eval-tokens 4096 {SHORT_SWEEP} --set data_dir=data/bytes",
+         "4 steps, 2 lrs, 1 seed, on the English bytes made above (data/bi_bytes comes later)"),
+    "python eval.py report results/lr_grid.json --plot-x lr --out report.md": ("side", None, ""),
     "python sweep.py config/cpu_lm.py --arm 'g05=,gamma=0.5,lr=0.01' --arm 'g1=,gamma=1.0,lr=0.003' --seeds 0,1,2 "
-    "--name gamma_pair --dry-run": ("run", None, ""),
+    "--name gamma_pair --dry-run": ("side", None, ""),
     "python bench.py":
-        ("run", "python bench.py --variants reference,default,moe-grouped --batch 2 --seq-len 16 --steps 1 --repeats 2 "
+        ("side", "python bench.py --variants reference,default,moe-grouped --batch 2 --seq-len 16 --steps 1 --repeats 2 "
                 "--warmup 1", "3 variants, 32-token steps"),
     "python bench.py --suite cuda --json-out bench_cuda.json":
         (None, None, "needs a GPU: its plan is the --dry-run command below; tests/test_bench.py runs its variants shrunk"),
-    "python bench.py --suite cuda --dry-run": ("run", None, ""),
+    "python bench.py --suite cuda --dry-run": ("side", None, ""),
     "python train.py export out/tiny_bytes/ckpt_00000500 hf/tiny_bytes --format hf":
         ("run", "python train.py export out/tiny_bytes/ckpt_00000006 hf/tiny_bytes --format hf",
          "the 6-step run's checkpoint"),
@@ -80,7 +84,7 @@ COMMANDS = {
     "python eval.py sink out/g1 --data data/bi_bytes": ("run", None, ""),
     "python eval.py weights out/g1": ("run", None, ""),
     "python eval.py residual out/g1 --data data/bi_bytes": ("run", None, ""),
-    "python eval.py residual --init --widths 64 128 256 512 --gamma 1 --mlp swiglu": ("run", None, ""),
+    "python eval.py residual --init --widths 64 128 256 512 --gamma 1 --mlp swiglu": ("side", None, ""),
     "ln -s ../shared/data/eval evals":
         ("kit", f"ln -s {os.path.join(KIT, 'eval')} evals", "the kit lies beside the repository, not this workspace"),
     "python eval.py bench out/g1 --task hellaswag --source evals/hellaswag/hellaswag_val_full.txt.bz2 --limit 200 "
@@ -94,8 +98,8 @@ COMMANDS = {
         ("kit", "python eval.py bench out/g1 --task math500 --source evals/math500/test.jsonl --limit 2 --truncate left "
                 "--max-new-tokens 16", "2 problems, 16 new tokens"),
     "python eval.py bench out/anchor_gamma1 --task anchor --data data/anchor": ("run", None, ""),
-    "python eval.py scaling --baseline 1e6=2.10 3e6=1.90 1e7=1.75 3e7=1.66 --compare 3e6=1.80": ("run", None, ""),
-    "python eval.py report results/*.json --out report.md": ("run", None, ""),
+    "python eval.py scaling --baseline 1e6=2.10 3e6=1.90 1e7=1.75 3e7=1.66 --compare 3e6=1.80": ("side", None, ""),
+    "python eval.py report results/*.json --out report.md": ("after", None, ""),
     'python eval.py sample out/g1 --prompt "ROMEO:" --temperature 0.8':
         ("run", 'python eval.py sample out/g1 --prompt "ROMEO:" --temperature 0.8 --max-new-tokens 20', "20 tokens"),
 }
@@ -166,7 +170,27 @@ def workspace(tmp_path_factory):
     shutil.copytree(os.path.join(ROOT, "config"), ws / "config")
     write_corpus(ws / "my_corpus" / "en", "abcdefghijklmnopqrstuvwxyz", 2000, seed=0)
     write_corpus(ws / "my_corpus" / "zh", "天地玄黄宇宙洪荒日月盈昃辰宿列张寒来暑往秋收冬藏", 2000, seed=1)
-    return ws, {command: run(line, ws) for command, line in lines_to_run("run")}
+    return ws, run_lanes(ws)
+
+
+def run_lanes(ws):
+    """The "run" commands up to the first "side" one, then the rest of "run" and the "side"
+    commands as two lanes side by side (each in README order), then the "after" commands.
+    Returns {command: stdout}."""
+    todo = [(command, COMMANDS[command][0], line) for kind in ("run", "side", "after")
+            for command, line in lines_to_run(kind)]
+    order = readme_commands()
+    todo.sort(key=lambda item: order.index(item[0]))
+    first_side = next(i for i, (_, kind, _) in enumerate(todo) if kind == "side")
+    out = {command: run(line, ws) for command, _, line in todo[:first_side]}
+
+    def lane(kind):
+        return {command: run(line, ws) for command, k, line in todo[first_side:] if k == kind}
+    with ThreadPoolExecutor(2) as pool:
+        for done in [pool.submit(lane, "run"), pool.submit(lane, "side")]:
+            out.update(done.result())
+    out.update((command, run(line, ws)) for command, kind, line in todo if kind == "after")
+    return out
 
 
 @pytest.mark.slow

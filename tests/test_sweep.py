@@ -1,6 +1,7 @@
 """sweep.py: grid expansion, one-line errors, real 2-step sweeps (results rows against the run
 folders, a second call runs nothing, a killed point resumes to the uninterrupted result), and
 `eval.py report`'s aggregation against hand-computed means, stds and t-intervals."""
+import importlib.util
 import json
 import math
 import os
@@ -100,7 +101,7 @@ def sweep_args(data, name, max_steps):
 
 @pytest.mark.slow
 def test_sweep_rows_match_run_folders_and_second_call_runs_nothing(data_dir, tmp_path):
-    args = sweep_args(data_dir, "lr", 2) + ["--grid", "lr=1e-3,1e-2", "--eval", "loss,sink"]
+    args = sweep_args(data_dir, "lr", 2) + ["--grid", "lr=1e-3,1e-2", "--eval", "loss,sink", "--jobs", "2"]
     p = run_sweep(args, tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     result = json.loads((tmp_path / "results" / "lr.json").read_text())
@@ -132,11 +133,12 @@ def test_sweep_rows_match_run_folders_and_second_call_runs_nothing(data_dir, tmp
 
 @pytest.mark.slow
 def test_killed_point_resumes_to_the_uninterrupted_result(data_dir, tmp_path):
-    full = run_sweep(sweep_args(data_dir, "full", 8), tmp_path)
-    assert full.returncode == 0, full.stdout + full.stderr
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "sweep.py"), *sweep_args(data_dir, "killed", 8)],
-                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    def start(name, **kw):
+        return subprocess.Popen([sys.executable, os.path.join(ROOT, "sweep.py"), *sweep_args(data_dir, name, 8)],
+                                cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, **kw)
+    # The uninterrupted reference runs side by side with the one that is killed (a core each).
+    full = start("full", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start("killed", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     run = tmp_path / "out" / "sweeps" / "killed" / "base-seed0"
     deadline = time.time() + 300
     while not (run / "ckpt_00000003").exists() and time.time() < deadline and proc.poll() is None:
@@ -144,6 +146,7 @@ def test_killed_point_resumes_to_the_uninterrupted_result(data_dir, tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)  # the sweep and its train.py, mid-run
     proc.wait()
     assert not (run / "sweep_point.json").exists()
+    assert full.wait(timeout=600) == 0, full.stdout.read()
     again = run_sweep(sweep_args(data_dir, "killed", 8), tmp_path)
     assert again.returncode == 0 and "0 finished, 1 to run" in again.stdout
     assert "resumed from" in (run / "sweep.log").read_text()
@@ -195,6 +198,35 @@ def test_report_aggregates_seeds_by_hand(tmp_path, capsys):
     ev.main(["report", str(path), "--out", str(tmp_path / "r.md")])
     text = (tmp_path / "r.md").read_text()
     assert "| a | 0.01 | 0,1,2 | 2.0000 ± 1.0000 |" in text and "[-0.4843, 4.4843]" in text
+
+
+def test_report_of_an_anchor_sweep_by_hand(tmp_path):
+    """A sweep evaluated with --eval anchor has no eval.py loss: its table holds the answer shares
+    (mean ± std over seeds), and --plot-y draws the seed means over two settings."""
+    rows = []
+    for depth, gamma, seed, inferential in ((1, 0.5, 0, 0.1), (1, 0.5, 1, 0.3), (1, 1.0, 0, 0.8), (2, 1.0, 0, 0.6)):
+        shares = {"seen_pair_acc": 1.0, "test_key_acc": 0.0, "heldout_inferential": inferential,
+                  "heldout_symmetric": 1 - inferential, "heldout_other": 0.0}
+        rows.append({"arm": "base", "arm_set": {}, "setting": {"model.n_layer": depth, "gamma": gamma}, "seed": seed,
+                     "tokens": 10, "best_val_loss": 0.5, "config": {"gamma": gamma, "model": {"n_layer": depth},
+                                                                     "model_size": "tiny"},
+                     "eval": {"anchor": {"summary": {"task": "anchor", **shares}, "rows": None}}})
+    result = {"analysis": "sweep", "name": "phase", "summary": {"points": 4, "finished": 4}, "rows": rows}
+    table = ev.sweep_table(result)
+    # (1, 0.5): 0.1 and 0.3 -> 0.2 ± 0.1414; no loss, so no loss interval or paired loss columns
+    assert table[0]["heldout_inferential"] == "0.2000 ± 0.1414" and table[0]["heldout_symmetric"] == "0.8000 ± 0.1414"
+    assert table[0]["seeds"] == "0,1" and table[1]["heldout_inferential"] == "0.8000"
+    assert not any(key.startswith(("loss", "dloss")) for line in table for key in line)
+    assert ev.sweep_cells(result, "gamma", "model.n_layer", "heldout_inferential") == {
+        (0.5, 1): [0.1, 0.3], (1.0, 1): [0.8], (1.0, 2): [0.6]}
+    path = tmp_path / "phase.json"
+    path.write_text(json.dumps(result))
+    if importlib.util.find_spec("matplotlib") is None:
+        pytest.skip("matplotlib is not installed: the heatmap is not drawn")
+    ev.main(["report", str(path), "--plot-x", "gamma", "--plot-y", "model.n_layer", "--plot-metric",
+             "heldout_inferential,heldout_symmetric", "--out", str(tmp_path / "r.md")])
+    assert (tmp_path / "phase_heldout_inferential.png").stat().st_size > 0
+    assert "phase_heldout_symmetric.png" in (tmp_path / "r.md").read_text()
 
 
 def test_t_quantiles_against_numerical_integration():

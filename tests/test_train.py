@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -255,8 +256,13 @@ def moe_runs(data_dir, tmp_path_factory):
             "--model={'n_experts': 4, 'top_k': 2, 'moe_bias_rate': 0.05}"]
     runs = {"1x4": (1, 4, []), "4x1": (1, 1, []), "fsdp2": (2, 2, []),
             "fsdp2_accum_ac": (2, 1, ["--model.activation_checkpointing=True"])}
-    for name, (nproc, batch, extra) in runs.items():
+    def train_run(name):
+        nproc, batch, extra = runs[name]
         run_train([*base, f"--out_dir={root / name}", f"--batch_size={batch}", *extra], nproc=nproc)
+    with ThreadPoolExecutor(2) as pool:  # the two 1-process runs side by side, a core each
+        list(pool.map(train_run, ["1x4", "4x1"]))
+    for name in ("fsdp2", "fsdp2_accum_ac"):
+        train_run(name)
     return root, base
 
 
