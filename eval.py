@@ -620,22 +620,58 @@ def sweep_metrics(row):
     return out
 
 
+def seed_deltas(reference, rows):
+    """{seed: loss - the reference's loss on that seed}. Paired by seed: a seed fixes the init
+    draw and the data order in every arm, so the per-seed difference removes the variance the
+    arms share."""
+    ref = {r["seed"]: sweep_metrics(r)["loss"] for r in reference}
+    return {r["seed"]: sweep_metrics(r)["loss"] - ref[r["seed"]] for r in rows if r["seed"] in ref}
+
+
+def paired(reference, rows):
+    """The paired difference as 'mean ± std [95% interval]', or None without common seeds."""
+    deltas = list(seed_deltas(reference, rows).values())
+    if not deltas:
+        return None
+    mean, std, half = mean_interval(deltas)
+    return f"{mean:+.4f}" + ("" if std is None else f" ± {std:.4f} [{mean - half:+.4f}, {mean + half:+.4f}]")
+
+
+def sweep_rows(selector):
+    """FILE.json:ARM[:KEY=VALUE] -> the rows of that arm (at that grid setting) in that sweep."""
+    path, _, rest = selector.partition(":")
+    arm, _, setting = rest.partition(":")
+    with open(path) as f:
+        rows = [r for r in json.load(f)["rows"] if r["arm"] == arm]
+    if setting:
+        key, _, value = setting.partition("=")
+        rows = [r for r in rows if key in r["setting"] and f"{r['setting'][key]}" == value]
+    if not rows:
+        raise ValueError(f"--pair {selector}: no finished rows of arm {arm!r}" + (f" at {setting}" if setting else "")
+                         + f" in {path}; write FILE.json:ARM[:KEY=VALUE]")
+    return rows
+
+
+def pair_table(pairs):
+    """--pair A B: B - A by seed across result files (e.g. one sweep's arm against another's),
+    every seed's difference shown, with how many seeds B is lower on."""
+    lines = []
+    for a, b in pairs:
+        deltas = seed_deltas(sweep_rows(a), sweep_rows(b))
+        if not deltas:
+            raise ValueError(f"--pair {a} {b}: no seed in common")
+        lines.append({"a": a, "b": b, "b - a by seed": ", ".join(f"{s}: {d:+.4f}" for s, d in sorted(deltas.items())),
+                      "b - a": paired(sweep_rows(a), sweep_rows(b)),
+                      "b lower": f"{sum(d < 0 for d in deltas.values())} of {len(deltas)}"})
+    return lines
+
+
 def sweep_table(result):
     """One line per arm x grid setting: every metric as mean ± std over its seeds, and the loss's
     95% interval. Groups keep the order of the sweep's points."""
     groups = {}
     for row in result["rows"]:
         groups.setdefault((row["arm"], json.dumps(row["setting"], sort_keys=True)), []).append(row)
-
-    def paired(reference, rows, metrics):
-        # Paired by seed: a seed fixes the init draw and the data order in every arm, so the
-        # per-seed difference removes the variance the arms share.
-        ref = {r["seed"]: sweep_metrics(r)["loss"] for r in reference}
-        deltas = [m["loss"] - ref[r["seed"]] for r, m in zip(rows, metrics) if r["seed"] in ref]
-        if not deltas:
-            return None
-        mean, std, half = mean_interval(deltas)
-        return f"{mean:+.4f}" + ("" if std is None else f" ± {std:.4f} [{mean - half:+.4f}, {mean + half:+.4f}]")
 
     # Arms crossed with a grid (an lr grid, token budgets): each line also against the first
     # arm at the same setting, the comparison such a sweep is run for.
@@ -651,11 +687,11 @@ def sweep_table(result):
         if "loss" in metrics[0]:  # a sweep without eval.py loss (the anchor task's) has no loss columns
             mean, _, half = mean_interval([m["loss"] for m in metrics])
             line["loss_95ci"] = "-" if half is None else f"[{mean - half:.4f}, {mean + half:.4f}]"
-            delta = paired(next(iter(groups.values())), rows, metrics)
+            delta = paired(next(iter(groups.values())), rows)
             if lines and delta:
                 line["dloss_vs_first"] = delta
             if crossed and arm != first_arm and (first_arm, setting) in groups:
-                line[f"dloss_vs_{first_arm}"] = paired(groups[(first_arm, setting)], rows, metrics) or "-"
+                line[f"dloss_vs_{first_arm}"] = paired(groups[(first_arm, setting)], rows) or "-"
         line["tokens"] = rows[0]["tokens"]
         lines.append(line)
     return lines
@@ -790,6 +826,8 @@ def run_report(args):
             else:
                 plot_sweep(result, args.plot_x, plot, metric)
             lines += [f"![{result['name']}]({os.path.relpath(plot, os.path.dirname(os.path.abspath(args.out)))})", ""]
+    if args.pair:
+        lines += ["### paired by seed (eval.py loss)", "", format_table(pair_table(args.pair), markdown=True), ""]
     for analysis, items in groups.items():
         lines += [f"### {analysis}", "", format_table([{"file": os.path.basename(p), **r["summary"]} for p, r in items],
                                                       markdown=True), ""]
@@ -908,6 +946,8 @@ def build_parser():
     p.add_argument("results", nargs="+")
     p.add_argument("--out", default="report.md")
     p.add_argument("--plot-x", help="sweeps: plot loss against this setting (gamma, lr, ...; 'arm': arms as categories) beside each results JSON")
+    p.add_argument("--pair", nargs=2, action="append", default=[], metavar=("A", "B"),
+                   help="sweeps: B - A by seed, each FILE.json:ARM[:KEY=VALUE] (repeatable; across files too)")
     p.add_argument("--plot-y", help="sweeps: with --plot-x, a heatmap over the two settings (e.g. model.n_layer)")
     p.add_argument("--plot-metric", default="loss", help="sweeps: what --plot-x plots, comma-separated "
                    f"(loss, best_val_loss, sink_first, loss_<source>, {', '.join(ANCHOR_METRICS)})")

@@ -151,10 +151,14 @@ python eval.py report results/settings.json results/layernorm.json --plot-x arm 
 python eval.py report results/gamma_lr.json --out results/report_gamma_lr.md
 python eval.py report results/gamma.json --plot-x gamma --out results/report_gamma.md
 python eval.py report results/condensation/*.json results/tokens/*.json --out results/report_analyses.md
-python eval.py report results/budget.json --plot-x max_steps --out results/report_budget.md
-python eval.py report results/wd_lr.json results/wd.json --out results/report_wd.md
+python eval.py report results/budget.json --plot-x max_steps --out results/report_budget.md \
+    $(for n in 32 96 640; do echo --pair results/budget.json:recipe:max_steps=$n results/budget.json:baseline:max_steps=$n; done)
+python eval.py report results/wd_lr.json results/wd.json --out results/report_wd.md \
+    --pair results/gamma.json:gamma0.5 results/wd.json:recipe_wd1 --pair results/settings.json:recipe results/wd.json:recipe_wd1
 python eval.py report results/scale_lr.json --out results/report_scale_lr.md
-python eval.py report results/scale.json --plot-x model.d_model --out results/report_scale.md
+python eval.py report results/scale.json --plot-x model.d_model --out results/report_scale.md \
+    $(for d in 24 32 48; do echo --pair results/scale.json:recipe_d$d results/scale.json:baseline_d$d; done) \
+    --pair results/settings.json:recipe results/settings.json:baseline
 python eval.py report results/scaling/*.json --out results/report_scaling.md
 python eval.py report results/lr_width_recipe.json results/lr_width_baseline.json --plot-x lr --out results/report_lr_width.md
 python eval.py report results/moe_lr.json results/moe.json --plot-x arm --out results/report_moe.md

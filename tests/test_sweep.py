@@ -200,6 +200,23 @@ def test_report_aggregates_seeds_by_hand(tmp_path, capsys):
     assert "| a | 0.01 | 0,1,2 | 2.0000 ± 1.0000 |" in text and "[-0.4843, 4.4843]" in text
 
 
+def test_report_pairs_arms_across_files_by_seed(tmp_path, capsys):
+    first, second = synthetic_result({"a": [1.0, 2.0, 3.0]}), synthetic_result({"b": [1.5, 1.0, 3.5]})
+    second["rows"] += [{**r, "setting": {"lr": 0.1}} for r in synthetic_result({"b": [9.0, 9.0, 9.0]})["rows"]]
+    (tmp_path / "one.json").write_text(json.dumps(first))
+    (tmp_path / "two.json").write_text(json.dumps(second))
+    ev.main(["report", str(tmp_path / "one.json"), "--out", str(tmp_path / "r.md"),
+             "--pair", f"{tmp_path / 'one.json'}:a", f"{tmp_path / 'two.json'}:b:lr=0.01"])
+    # b - a by seed: +0.5, -1.0, +0.5 -> mean 0, std sqrt(0.75), half-width 4.303 * sqrt(0.75) / sqrt(3)
+    half = 4.303 * math.sqrt(0.75) / math.sqrt(3)
+    text = (tmp_path / "r.md").read_text()
+    assert f"| 0: +0.5000, 1: -1.0000, 2: +0.5000 | +0.0000 ± 0.8660 [{-half:+.4f}, {half:+.4f}] | 1 of 3 |" in text
+    with pytest.raises(SystemExit):
+        ev.main(["report", str(tmp_path / "one.json"), "--pair", f"{tmp_path / 'one.json'}:a", f"{tmp_path / 'two.json'}:c"])
+    assert capsys.readouterr().err == (f"error: --pair {tmp_path / 'two.json'}:c: no finished rows of arm 'c' in "
+                                       f"{tmp_path / 'two.json'}; write FILE.json:ARM[:KEY=VALUE]\n")
+
+
 def test_report_of_an_anchor_sweep_by_hand(tmp_path):
     """A sweep evaluated with --eval anchor has no eval.py loss: its table holds the answer shares
     (mean ± std over seeds), and --plot-y draws the seed means over two settings."""
