@@ -35,7 +35,7 @@ RUNS = [  # (name, config file, label)
 ]
 
 # Settings from the anchor search (README results section): where γ=1 answered the held-out
-# pair mostly inferentially and γ=0.5 mostly symmetrically on every seed tried, in ~2 minutes
+# pair mostly inferentially and γ=0.5 mostly symmetrically on every seed tried, in ~4 minutes
 # per run on one free core. Applied as --key=value only where the config files resolve
 # differently, and announced when they do.
 SETTINGS = {

@@ -6,7 +6,7 @@
 # held-out pair (4,3): inferential (x-10) vs symmetric (x-6) answers.
 # Settings from the quickstart's search (README results): of the models tried, the smallest
 # where γ=1 answered the held-out pair mostly inferentially and γ=0.5 mostly symmetrically on
-# every seed (3 init seeds, 3 data seeds), ~2 minutes per run on one core.
+# every seed (3 init seeds, 3 data seeds), ~4 minutes per run on one core.
 
 out_dir = "out/anchor_gamma1"
 data_dir = "data/anchor"
