@@ -1028,6 +1028,7 @@ class AnchorTask:
     test_key_fraction: float = 0.2   # keys never trained with any pair: seen pairs are tested on them
     heldout: tuple = (4, 3)          # the pair that never appears in training
     mirror_shift: int = -6           # its mirror (3,4) is trained with x-6 instead of the composite x-10
+    key_positions: tuple = None      # (LO, HI) positions the key may take; None: anywhere it fits, 0..seq_len-3
     n_train: int = 20000             # issue 6's probe: 20k samples show the effect in minutes on 2 cores
     n_eval: int = 2000               # per evaluation split: answer shares to about +-1%
     seed: int = 0                    # fixes keys split, positions and fillers: same seed, same bytes
@@ -1035,6 +1036,10 @@ class AnchorTask:
     @property
     def mirror(self):
         return (self.heldout[1], self.heldout[0])
+
+    @property
+    def positions(self):
+        return tuple(self.key_positions) if self.key_positions is not None else (0, self.seq_len - 3)
 
 
 def anchor_vocab(task):
@@ -1054,7 +1059,7 @@ def anchor_records(task, n, keys, pairs, rng):
     """n records: seq_len inputs (fillers; the key then the pair at a random position) + the target."""
     key = rng.choice(keys, n)
     pair = pairs[rng.integers(len(pairs), size=n)]
-    pos = rng.integers(0, task.seq_len - 2, size=n)
+    pos = rng.integers(task.positions[0], task.positions[1] + 1, size=n)
     records = rng.integers(task.fillers[0], task.fillers[1] + 1, size=(n, task.seq_len + 1))
     rows = np.arange(n)
     records[rows, pos], records[rows, pos + 1], records[rows, pos + 2] = key, pair[:, 0], pair[:, 1]
@@ -1072,6 +1077,9 @@ def check_anchor_task(task):
         raise ValueError(f"key {task.keys[0]} composed with the anchors goes below token 0; raise the key range")
     if task.seq_len < 3:
         raise ValueError("seq_len must hold the key and the anchor pair (>= 3)")
+    if not 0 <= task.positions[0] <= task.positions[1] <= task.seq_len - 3:
+        raise ValueError(f"key positions {task.positions[0]}-{task.positions[1]} must lie in 0-{task.seq_len - 3}: "
+                         f"the key and its pair must fit in the {task.seq_len} inputs")
     if tuple(task.heldout) not in {tuple(p) for p in PAIRS.tolist()} or task.heldout == task.mirror:
         raise ValueError(f"held-out pair {task.heldout} must be two different anchors from {list(ANCHOR_SHIFTS)}")
     if not 0 < round(task.test_key_fraction * (task.keys[1] - task.keys[0] + 1)) < task.keys[1] - task.keys[0] + 1:
@@ -1200,6 +1208,8 @@ def main(argv=None):
     p.add_argument("--test-key-fraction", type=float, default=d.test_key_fraction, help="keys held out of training")
     p.add_argument("--heldout", type=parse_pair, default=d.heldout, help="anchor pair A,B never trained")
     p.add_argument("--mirror-shift", type=int, default=d.mirror_shift, help="rule trained on the mirror pair B,A")
+    p.add_argument("--key-positions", type=parse_range, default=d.key_positions,
+                   help="positions LO-HI (0-based) the key may take, in every split (default: anywhere it fits)")
     p.add_argument("--n-train", type=int, default=d.n_train, help="training records")
     p.add_argument("--n-eval", type=int, default=d.n_eval, help="records per evaluation split")
     p.add_argument("--seed", type=int, default=d.seed, help="same seed, same bytes")

@@ -658,6 +658,19 @@ def test_anchor_same_seed_same_bytes(anchor_dir, tmp_path):
         assert open(os.path.join(other, name), "rb").read() != same
 
 
+def test_anchor_key_positions(tmp_path):
+    """--key-positions fixes where the key (then its pair) sits in every split; by default it is
+    anywhere the key and pair fit (0 to seq_len-3)."""
+    def key_positions(folder, split):
+        return set(((P.read_records(folder, split)[:, :-1] <= 4).argmax(1) - 1).tolist())  # before the first anchor
+    P.main(["anchor", "--out", str(tmp_path / "late"), "--n-train", "300", "--n-eval", "100", "--key-positions", "5-6"])
+    assert key_positions(tmp_path / "late", "train") == key_positions(tmp_path / "late", "heldout") == {5, 6}
+    P.main(["anchor", "--out", str(tmp_path / "any"), "--n-train", "300", "--n-eval", "100"])
+    assert key_positions(tmp_path / "any", "train") == set(range(7))
+    with pytest.raises(ValueError, match="key positions 5-7 must lie in 0-6"):
+        P.prepare_anchor(P.AnchorTask(key_positions=(5, 7)), "unused", "")
+
+
 def test_anchor_bad_parameters():
     with pytest.raises(ValueError, match="above the anchor tokens"):
         P.prepare_anchor(P.AnchorTask(fillers=(0, 99)), "unused", "")
