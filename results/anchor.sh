@@ -24,11 +24,14 @@ robust)
     # Robustness of the recipe-vs-baseline contrast beyond the tuned task, 3 seeds each:
     # other held-out pairs (their mirror trained with a shift that is no pair's composite:
     # the composites are 10, 6, 3, 2, -1, -3, -4, -7, -10, -16) and a longer sequence (15 inputs:
-    # the key at any of 13 positions instead of 7).
+    # the key at any of 13 positions instead of 7), and the key at one fixed position: first
+    # (6 fillers between the pair and the answer) or last (the pair right before the answer).
     anchor_data anchor_heldout24 --heldout 2,4 --mirror-shift -5
     anchor_data anchor_heldout13 --heldout 1,3 --mirror-shift 8
     anchor_data anchor_len15 --seq-len 15
-    for variant in heldout24 heldout13 len15; do
+    anchor_data anchor_keyfirst --key-positions 0-0
+    anchor_data anchor_keylast --key-positions 6-6
+    for variant in heldout24 heldout13 len15 keyfirst keylast; do
         extra=$([ $variant = len15 ] && echo "--set seq_len=15")
         $SWEEP --name anchor_$variant --arm recipe= --arm baseline=config/_baseline.py --seeds 0,1,2 \
             --set data_dir=data/anchor_$variant $extra
@@ -37,7 +40,7 @@ robust)
 report)
     python eval.py report results/anchor_phase.json --plot-x gamma --plot-y model.n_layer \
         --plot-metric heldout_inferential,heldout_symmetric --out results/report_anchor_phase.md
-    python eval.py report results/anchor_heldout24.json results/anchor_heldout13.json results/anchor_len15.json \
+    python eval.py report results/anchor_{heldout24,heldout13,len15,keyfirst,keylast}.json \
         --plot-x arm --plot-metric heldout_inferential,heldout_symmetric --out results/report_anchor_robust.md
     ;;
 *) echo "unknown section $section: phase, robust or report" >&2; exit 2 ;;
