@@ -34,7 +34,7 @@ import torch
 from model import (GPT, capture_attention, config_for, cosine_stats, document_ids, init_model_, row_cosines,
                    stable_rank, trace_residual)
 from prepare_data import TokenLoader, atomic_write_bytes, get_tokenizer, load_meta, progress_bar, write_json
-from train import find_checkpoints, load_model
+from train import find_checkpoints, load_model, parse_value
 
 
 # ----------------------------------------------------------------------------- output helpers
@@ -645,7 +645,7 @@ def sweep_rows(selector):
         rows = [r for r in json.load(f)["rows"] if r["arm"] == arm]
     if setting:
         key, _, value = setting.partition("=")
-        rows = [r for r in rows if key in r["setting"] and f"{r['setting'][key]}" == value]
+        rows = [r for r in rows if key in r["setting"] and r["setting"][key] == parse_value(value)]  # 1e-2 == 0.01
     if not rows:
         raise ValueError(f"--pair {selector}: no finished rows of arm {arm!r}" + (f" at {setting}" if setting else "")
                          + f" in {path}; write FILE.json:ARM[:KEY=VALUE]")

@@ -206,7 +206,7 @@ def test_report_pairs_arms_across_files_by_seed(tmp_path, capsys):
     (tmp_path / "one.json").write_text(json.dumps(first))
     (tmp_path / "two.json").write_text(json.dumps(second))
     ev.main(["report", str(tmp_path / "one.json"), "--out", str(tmp_path / "r.md"),
-             "--pair", f"{tmp_path / 'one.json'}:a", f"{tmp_path / 'two.json'}:b:lr=0.01"])
+             "--pair", f"{tmp_path / 'one.json'}:a", f"{tmp_path / 'two.json'}:b:lr=1e-2"])
     # b - a by seed: +0.5, -1.0, +0.5 -> mean 0, std sqrt(0.75), half-width 4.303 * sqrt(0.75) / sqrt(3)
     half = 4.303 * math.sqrt(0.75) / math.sqrt(3)
     text = (tmp_path / "r.md").read_text()
