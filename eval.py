@@ -620,17 +620,25 @@ def sweep_metrics(row):
     return out
 
 
+def metric(row, name):
+    """One column of a sweep row (sweep_metrics), or a one-line error naming those it has."""
+    metrics = sweep_metrics(row)
+    if name not in metrics:
+        raise ValueError(f"{row['point']} has no {name!r} (evaluated: {', '.join(row['eval'])}); "
+                         f"choose from {', '.join(metrics)}")
+    return metrics[name]
+
+
 def seed_deltas(reference, rows):
     """{seed: loss - the reference's loss on that seed}. Paired by seed: a seed fixes the init
     draw and the data order in every arm, so the per-seed difference removes the variance the
     arms share."""
-    ref = {r["seed"]: sweep_metrics(r)["loss"] for r in reference}
-    return {r["seed"]: sweep_metrics(r)["loss"] - ref[r["seed"]] for r in rows if r["seed"] in ref}
+    ref = {r["seed"]: metric(r, "loss") for r in reference}
+    return {r["seed"]: metric(r, "loss") - ref[r["seed"]] for r in rows if r["seed"] in ref}
 
 
-def paired(reference, rows):
-    """The paired difference as 'mean ± std [95% interval]', or None without common seeds."""
-    deltas = list(seed_deltas(reference, rows).values())
+def format_delta(deltas):
+    """Paired differences as 'mean ± std [95% interval]', or None for none."""
     if not deltas:
         return None
     mean, std, half = mean_interval(deltas)
@@ -638,17 +646,21 @@ def paired(reference, rows):
 
 
 def sweep_rows(selector):
-    """FILE.json:ARM[:KEY=VALUE] -> the rows of that arm (at that grid setting) in that sweep."""
-    path, _, rest = selector.partition(":")
-    arm, _, setting = rest.partition(":")
+    """FILE.json:ARM[:KEY=VALUE...] -> the rows of that arm (at those grid settings) in that sweep,
+    one per seed."""
+    path, arm, *settings = selector.split(":")
     with open(path) as f:
         rows = [r for r in json.load(f)["rows"] if r["arm"] == arm]
-    if setting:
+    for setting in settings:
         key, _, value = setting.partition("=")
         rows = [r for r in rows if key in r["setting"] and r["setting"][key] == parse_value(value)]  # 1e-2 == 0.01
     if not rows:
-        raise ValueError(f"--pair {selector}: no finished rows of arm {arm!r}" + (f" at {setting}" if setting else "")
-                         + f" in {path}; write FILE.json:ARM[:KEY=VALUE]")
+        raise ValueError(f"--pair {selector}: no finished rows of arm {arm!r}" + "".join(f" at {s}" for s in settings)
+                         + f" in {path}; write FILE.json:ARM[:KEY=VALUE...]")
+    seeds = [r["seed"] for r in rows]
+    if len(set(seeds)) < len(seeds):
+        raise ValueError(f"--pair {selector}: several settings per seed ({', '.join(sorted({json.dumps(r['setting']) for r in rows}))}); "
+                         "add :KEY=VALUE to pick one")
     return rows
 
 
@@ -661,7 +673,7 @@ def pair_table(pairs):
         if not deltas:
             raise ValueError(f"--pair {a} {b}: no seed in common")
         lines.append({"a": a, "b": b, "b - a by seed": ", ".join(f"{s}: {d:+.4f}" for s, d in sorted(deltas.items())),
-                      "b - a": paired(sweep_rows(a), sweep_rows(b)),
+                      "b - a": format_delta(list(deltas.values())),
                       "b lower": f"{sum(d < 0 for d in deltas.values())} of {len(deltas)}"})
     return lines
 
@@ -687,17 +699,17 @@ def sweep_table(result):
         if "loss" in metrics[0]:  # a sweep without eval.py loss (the anchor task's) has no loss columns
             mean, _, half = mean_interval([m["loss"] for m in metrics])
             line["loss_95ci"] = "-" if half is None else f"[{mean - half:.4f}, {mean + half:.4f}]"
-            delta = paired(next(iter(groups.values())), rows)
+            delta = format_delta(list(seed_deltas(next(iter(groups.values())), rows).values()))
             if lines and delta:
                 line["dloss_vs_first"] = delta
             if crossed and arm != first_arm and (first_arm, setting) in groups:
-                line[f"dloss_vs_{first_arm}"] = paired(groups[(first_arm, setting)], rows) or "-"
+                line[f"dloss_vs_{first_arm}"] = format_delta(list(seed_deltas(groups[(first_arm, setting)], rows).values())) or "-"
         line["tokens"] = rows[0]["tokens"]
         lines.append(line)
     return lines
 
 
-def plot_sweep(result, x_key, path, metric="loss"):
+def plot_sweep(result, x_key, path, name="loss"):
     """A metric (mean ± std over seeds, every seed a gray dot) against one setting: a line per arm,
     or one line across the arms when each arm is a value of that setting (a γ sweep whose arms
     carry their own tuned lr; one line per arm config file, e.g. recipe and baseline sizes).
@@ -714,7 +726,7 @@ def plot_sweep(result, x_key, path, metric="loss"):
             files = "+".join(os.path.basename(f) for f in row["arm_configs"])
             label = (result["name"] + (f" + {files}" if files else "")) if x_key in row["arm_set"] else row["arm"]
             x = config_value(row["config"], x_key)
-        series.setdefault(label, {}).setdefault(x, []).append(sweep_metrics(row)[metric])
+        series.setdefault(label, {}).setdefault(x, []).append(metric(row, name))
     for label, points in series.items():
         xs = sorted(points)
         stats = [mean_interval(points[x]) for x in xs]
@@ -730,7 +742,7 @@ def plot_sweep(result, x_key, path, metric="loss"):
         ax.set_xticks(xs, [f"{x:g}" for x in xs])  # the swept values, not log decades
         ax.minorticks_off()
     ax.set_xlabel(x_key)
-    ax.set_ylabel("validation loss (eval.py loss)" if metric == "loss" else metric)
+    ax.set_ylabel("validation loss (eval.py loss)" if name == "loss" else name)
     ax.set_title(result["name"])
     if x_key != "arm":
         ax.legend(fontsize=8)
@@ -738,20 +750,20 @@ def plot_sweep(result, x_key, path, metric="loss"):
     plt.close(fig)
 
 
-def sweep_cells(result, x_key, y_key, metric):
+def sweep_cells(result, x_key, y_key, name):
     """{(x, y): [the metric of every seed]} over a grid of two settings."""
     cells = {}
     for row in result["rows"]:
         xy = (config_value(row["config"], x_key), config_value(row["config"], y_key))
-        cells.setdefault(xy, []).append(sweep_metrics(row)[metric])
+        cells.setdefault(xy, []).append(metric(row, name))
     return cells
 
 
-def plot_sweep_heatmap(result, x_key, y_key, path, metric):
+def plot_sweep_heatmap(result, x_key, y_key, path, name):
     """A metric's seed mean over a grid of two settings (the anchor task's depth x γ phase
     diagram), every cell labelled with its mean ± std and its number of seeds."""
     plt = pyplot()
-    cells = sweep_cells(result, x_key, y_key, metric)
+    cells = sweep_cells(result, x_key, y_key, name)
     xs, ys = sorted({x for x, _ in cells}), sorted({y for _, y in cells})
     means = np.full((len(ys), len(xs)), np.nan)  # a cell with no finished run stays blank
     fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(xs), 1.2 + 0.8 * len(ys)))
@@ -760,14 +772,14 @@ def plot_sweep_heatmap(result, x_key, y_key, path, metric):
         means[ys.index(y), xs.index(x)] = mean
         ax.text(xs.index(x), ys.index(y), f"{mean:.2f}" + ("" if std is None else f"±{std:.2f}") + f"\n({len(values)})",
                 ha="center", va="center", fontsize=8, color="white" if mean < 0.5 else "black")
-    shares = metric in ANCHOR_METRICS  # shares and accuracies: one scale, 0 to 1, for every plot
+    shares = name in ANCHOR_METRICS  # shares and accuracies: one scale, 0 to 1, for every plot
     image = ax.imshow(means, origin="lower", aspect="auto", cmap="viridis",
                       vmin=0 if shares else None, vmax=1 if shares else None)
     ax.set_xticks(range(len(xs)), [f"{x:g}" for x in xs])
     ax.set_yticks(range(len(ys)), [f"{y:g}" for y in ys])
     ax.set_xlabel(x_key)
     ax.set_ylabel(y_key)
-    ax.set_title(f"{result['name']}: {metric}, seed mean (seeds)")
+    ax.set_title(f"{result['name']}: {name}, seed mean (seeds)")
     fig.colorbar(image, ax=ax)
     save_figure(fig, path)
     plt.close(fig)
@@ -809,6 +821,8 @@ def rows_over_seeds(results, rows_of, key, columns):
 
 
 def run_report(args):
+    if args.plot_y and args.plot_x in (None, "arm"):
+        raise ValueError("--plot-y draws a heatmap over two settings: give --plot-x a setting too (e.g. gamma)")
     groups = {}
     for path in args.results:
         with open(path) as f:
@@ -818,13 +832,13 @@ def run_report(args):
     for path, result in groups.pop("sweep", []):
         lines += [f"### sweep {result['name']} ({os.path.basename(path)}; {result['summary']['finished']} of "
                   f"{result['summary']['points']} points)", "", format_table(sweep_table(result), markdown=True), ""]
-        for metric in args.plot_metric.split(",") if args.plot_x else []:
+        for name in args.plot_metric.split(",") if args.plot_x else []:
             # beside the results JSON; named by the metric unless it is the loss
-            plot = os.path.splitext(path)[0] + ("" if metric == "loss" else f"_{metric}") + ".png"
+            plot = os.path.splitext(path)[0] + ("" if name == "loss" else f"_{name}") + ".png"
             if args.plot_y:
-                plot_sweep_heatmap(result, args.plot_x, args.plot_y, plot, metric)
+                plot_sweep_heatmap(result, args.plot_x, args.plot_y, plot, name)
             else:
-                plot_sweep(result, args.plot_x, plot, metric)
+                plot_sweep(result, args.plot_x, plot, name)
             lines += [f"![{result['name']}]({os.path.relpath(plot, os.path.dirname(os.path.abspath(args.out)))})", ""]
     if args.pair:
         lines += ["### paired by seed (eval.py loss)", "", format_table(pair_table(args.pair), markdown=True), ""]
@@ -945,9 +959,9 @@ def build_parser():
                 runs_model=False)
     p.add_argument("results", nargs="+")
     p.add_argument("--out", default="report.md")
-    p.add_argument("--plot-x", help="sweeps: plot loss against this setting (gamma, lr, ...; 'arm': arms as categories) beside each results JSON")
+    p.add_argument("--plot-x", help="sweeps: plot --plot-metric against this setting (gamma, lr, ...; 'arm': arms as categories) beside each results JSON")
     p.add_argument("--pair", nargs=2, action="append", default=[], metavar=("A", "B"),
-                   help="sweeps: B - A by seed, each FILE.json:ARM[:KEY=VALUE] (repeatable; across files too)")
+                   help="sweeps: B - A by seed, each FILE.json:ARM[:KEY=VALUE...] (repeatable; across files too)")
     p.add_argument("--plot-y", help="sweeps: with --plot-x, a heatmap over the two settings (e.g. model.n_layer)")
     p.add_argument("--plot-metric", default="loss", help="sweeps: what --plot-x plots, comma-separated "
                    f"(loss, best_val_loss, sink_first, loss_<source>, {', '.join(ANCHOR_METRICS)})")

@@ -130,6 +130,7 @@ def readme_commands():
 def test_every_readme_command_is_covered():
     commands = readme_commands()
     assert len(commands) == len(set(commands))
+    assert {where for where, _, _ in COMMANDS.values()} <= {"run", "side", "after", "kit", None}  # a typo never runs
     assert set(commands) == set(COMMANDS), (
         f"not covered: {sorted(set(commands) - set(COMMANDS))}; gone from the README: {sorted(set(COMMANDS) - set(commands))}")
 
@@ -182,7 +183,7 @@ def run_lanes(ws):
     order = readme_commands()
     todo.sort(key=lambda item: order.index(item[0]))
     first_side = next(i for i, (_, kind, _) in enumerate(todo) if kind == "side")
-    out = {command: run(line, ws) for command, _, line in todo[:first_side]}
+    out = {command: run(line, ws) for command, kind, line in todo[:first_side] if kind == "run"}
 
     def lane(kind):
         return {command: run(line, ws) for command, k, line in todo[first_side:] if k == kind}

@@ -138,15 +138,18 @@ def test_killed_point_resumes_to_the_uninterrupted_result(data_dir, tmp_path):
                                 cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, **kw)
     # The uninterrupted reference runs side by side with the one that is killed (a core each).
     full = start("full", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    proc = start("killed", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    run = tmp_path / "out" / "sweeps" / "killed" / "base-seed0"
-    deadline = time.time() + 300
-    while not (run / "ckpt_00000003").exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # the sweep and its train.py, mid-run
-    proc.wait()
-    assert not (run / "sweep_point.json").exists()
-    assert full.wait(timeout=600) == 0, full.stdout.read()
+    try:
+        proc = start("killed", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        run = tmp_path / "out" / "sweeps" / "killed" / "base-seed0"
+        deadline = time.time() + 300
+        while not (run / "ckpt_00000003").exists() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)  # the sweep and its train.py, mid-run
+        proc.wait()
+        assert not (run / "sweep_point.json").exists()
+        assert full.wait(timeout=600) == 0, full.stdout.read()
+    finally:
+        full.kill()  # a no-op once it has finished
     again = run_sweep(sweep_args(data_dir, "killed", 8), tmp_path)
     assert again.returncode == 0 and "0 finished, 1 to run" in again.stdout
     assert "resumed from" in (run / "sweep.log").read_text()
@@ -211,20 +214,27 @@ def test_report_pairs_arms_across_files_by_seed(tmp_path, capsys):
     half = 4.303 * math.sqrt(0.75) / math.sqrt(3)
     text = (tmp_path / "r.md").read_text()
     assert f"| 0: +0.5000, 1: -1.0000, 2: +0.5000 | +0.0000 ± 0.8660 [{-half:+.4f}, {half:+.4f}] | 1 of 3 |" in text
-    with pytest.raises(SystemExit):
-        ev.main(["report", str(tmp_path / "one.json"), "--pair", f"{tmp_path / 'one.json'}:a", f"{tmp_path / 'two.json'}:c"])
-    assert capsys.readouterr().err == (f"error: --pair {tmp_path / 'two.json'}:c: no finished rows of arm 'c' in "
-                                       f"{tmp_path / 'two.json'}; write FILE.json:ARM[:KEY=VALUE]\n")
+    capsys.readouterr()
+    for selector, message in ((f"{tmp_path / 'two.json'}:c", f"no finished rows of arm 'c' in {tmp_path / 'two.json'}; "
+                                                              "write FILE.json:ARM[:KEY=VALUE...]"),
+                              (f"{tmp_path / 'two.json'}:b", 'several settings per seed ({"lr": 0.01}, {"lr": 0.1}); '
+                                                              "add :KEY=VALUE to pick one")):
+        with pytest.raises(SystemExit):
+            ev.main(["report", str(tmp_path / "one.json"), "--out", str(tmp_path / "bad.md"),
+                     "--pair", f"{tmp_path / 'one.json'}:a", selector])
+        assert capsys.readouterr().err == f"error: --pair {selector}: {message}\n"
+    assert not (tmp_path / "bad.md").exists()
 
 
-def test_report_of_an_anchor_sweep_by_hand(tmp_path):
+def test_report_of_an_anchor_sweep_by_hand(tmp_path, capsys):
     """A sweep evaluated with --eval anchor has no eval.py loss: its table holds the answer shares
     (mean ± std over seeds), and --plot-y draws the seed means over two settings."""
     rows = []
     for depth, gamma, seed, inferential in ((1, 0.5, 0, 0.1), (1, 0.5, 1, 0.3), (1, 1.0, 0, 0.8), (2, 1.0, 0, 0.6)):
         shares = {"seen_pair_acc": 1.0, "test_key_acc": 0.0, "heldout_inferential": inferential,
                   "heldout_symmetric": 1 - inferential, "heldout_other": 0.0}
-        rows.append({"arm": "base", "arm_set": {}, "setting": {"model.n_layer": depth, "gamma": gamma}, "seed": seed,
+        rows.append({"point": f"base-{depth}-{gamma}-seed{seed}", "arm": "base", "arm_set": {}, "arm_configs": [],
+                     "setting": {"model.n_layer": depth, "gamma": gamma}, "seed": seed,
                      "tokens": 10, "best_val_loss": 0.5, "config": {"gamma": gamma, "model": {"n_layer": depth},
                                                                      "model_size": "tiny"},
                      "eval": {"anchor": {"summary": {"task": "anchor", **shares}, "rows": None}}})
@@ -240,6 +250,9 @@ def test_report_of_an_anchor_sweep_by_hand(tmp_path):
     path.write_text(json.dumps(result))
     if importlib.util.find_spec("matplotlib") is None:
         pytest.skip("matplotlib is not installed: the heatmap is not drawn")
+    with pytest.raises(SystemExit):  # the default metric, the loss, was not evaluated: one line naming what was
+        ev.main(["report", str(path), "--plot-x", "gamma", "--out", str(tmp_path / "r.md")])
+    assert capsys.readouterr().err.startswith("error: base-1-0.5-seed0 has no 'loss' (evaluated: anchor); choose from")
     ev.main(["report", str(path), "--plot-x", "gamma", "--plot-y", "model.n_layer", "--plot-metric",
              "heldout_inferential,heldout_symmetric", "--out", str(tmp_path / "r.md")])
     assert (tmp_path / "phase_heldout_inferential.png").stat().st_size > 0
