@@ -2,7 +2,8 @@
 # The anchor-task experiments of README "Results" (issue 9, item 6). Resumable like cpu_lm.sh:
 # every sweep skips its finished points. Each run is config/anchor_gamma1.py's (2 layers, d 64,
 # 4,680 steps, lr 1e-3) with the named changes; its held-out pair is scored by eval.py bench.
-#   bash results/anchor.sh [phase|robust|report ...]   # default: all three; 5-15 min per run on one core
+#   bash results/anchor.sh [phase|robust|report ...]   # default: all three; 3-8 min per run on one core
+#   VARIANTS="keyfirst keylast" bash results/anchor.sh robust   # some of the robustness variants
 set -uo pipefail  # no -e: a failed point (or sweep) must not stop the later sweeps
 cd "$(dirname "$0")/.."
 # compile: blocks under torch.compile run these small models ~1.8x faster (~30 s to compile).
@@ -31,7 +32,7 @@ robust)
     anchor_data anchor_len15 --seq-len 15
     anchor_data anchor_keyfirst --key-positions 0-0
     anchor_data anchor_keylast --key-positions 6-6
-    for variant in heldout24 heldout13 len15 keyfirst keylast; do
+    for variant in ${VARIANTS:-heldout24 heldout13 len15 keyfirst keylast}; do
         extra=$([ $variant = len15 ] && echo "--set seq_len=15")
         $SWEEP --name anchor_$variant --arm recipe= --arm baseline=config/_baseline.py --seeds 0,1,2 \
             --set data_dir=data/anchor_$variant $extra
