@@ -678,9 +678,10 @@ def pair_table(pairs):
     return lines
 
 
-def sweep_table(result):
+def sweep_table(result, per_seed=()):
     """One line per arm x grid setting: every metric as mean ± std over its seeds, and the loss's
-    95% interval. Groups keep the order of the sweep's points."""
+    95% interval; each metric in per_seed also seed by seed. Groups keep the order of the
+    sweep's points."""
     groups = {}
     for row in result["rows"]:
         groups.setdefault((row["arm"], json.dumps(row["setting"], sort_keys=True)), []).append(row)
@@ -704,6 +705,8 @@ def sweep_table(result):
                 line["dloss_vs_first"] = delta
             if crossed and arm != first_arm and (first_arm, setting) in groups:
                 line[f"dloss_vs_{first_arm}"] = format_delta(list(seed_deltas(groups[(first_arm, setting)], rows).values())) or "-"
+        for name in per_seed:
+            line[f"{name} by seed"] = ", ".join(f"{r['seed']}: {metric(r, name):.4f}" for r in rows)
         line["tokens"] = rows[0]["tokens"]
         lines.append(line)
     return lines
@@ -831,7 +834,7 @@ def run_report(args):
     lines = []
     for path, result in groups.pop("sweep", []):
         lines += [f"### sweep {result['name']} ({os.path.basename(path)}; {result['summary']['finished']} of "
-                  f"{result['summary']['points']} points)", "", format_table(sweep_table(result), markdown=True), ""]
+                  f"{result['summary']['points']} points)", "", format_table(sweep_table(result, args.per_seed.split(",") if args.per_seed else ()), markdown=True), ""]
         for name in args.plot_metric.split(",") if args.plot_x else []:
             # beside the results JSON; named by the metric unless it is the loss
             plot = os.path.splitext(path)[0] + ("" if name == "loss" else f"_{name}") + ".png"
@@ -962,6 +965,7 @@ def build_parser():
     p.add_argument("--plot-x", help="sweeps: plot --plot-metric against this setting (gamma, lr, ...; 'arm': arms as categories) beside each results JSON")
     p.add_argument("--pair", nargs=2, action="append", default=[], metavar=("A", "B"),
                    help="sweeps: B - A by seed, each FILE.json:ARM[:KEY=VALUE...] (repeatable; across files too)")
+    p.add_argument("--per-seed", help="sweeps: these table columns also seed by seed (comma-separated, e.g. loss)")
     p.add_argument("--plot-y", help="sweeps: with --plot-x, a heatmap over the two settings (e.g. model.n_layer)")
     p.add_argument("--plot-metric", default="loss", help="sweeps: what --plot-x plots, comma-separated "
                    f"(loss, best_val_loss, sink_first, loss_<source>, {', '.join(ANCHOR_METRICS)})")

@@ -40,9 +40,10 @@ robust)
     ;;
 report)
     python eval.py report results/anchor_phase.json --plot-x gamma --plot-y model.n_layer \
-        --plot-metric heldout_inferential,heldout_symmetric --out results/report_anchor_phase.md
+        --plot-metric heldout_inferential,heldout_symmetric --per-seed heldout_inferential --out results/report_anchor_phase.md
     python eval.py report results/anchor_{heldout24,heldout13,len15,keyfirst,keylast}.json \
-        --plot-x arm --plot-metric heldout_inferential,heldout_symmetric --out results/report_anchor_robust.md
+        --plot-x arm --plot-metric heldout_inferential,heldout_symmetric --per-seed heldout_inferential,heldout_symmetric \
+        --out results/report_anchor_robust.md
     ;;
 *) echo "unknown section $section: phase, robust or report" >&2; exit 2 ;;
 esac; done

@@ -243,6 +243,7 @@ def test_report_of_an_anchor_sweep_by_hand(tmp_path, capsys):
     # (1, 0.5): 0.1 and 0.3 -> 0.2 ± 0.1414; no loss, so no loss interval or paired loss columns
     assert table[0]["heldout_inferential"] == "0.2000 ± 0.1414" and table[0]["heldout_symmetric"] == "0.8000 ± 0.1414"
     assert table[0]["seeds"] == "0,1" and table[1]["heldout_inferential"] == "0.8000"
+    assert ev.sweep_table(result, ["heldout_inferential"])[0]["heldout_inferential by seed"] == "0: 0.1000, 1: 0.3000"
     assert not any(key.startswith(("loss", "dloss")) for line in table for key in line)
     assert ev.sweep_cells(result, "gamma", "model.n_layer", "heldout_inferential") == {
         (0.5, 1): [0.1, 0.3], (1.0, 1): [0.8], (1.0, 2): [0.6]}
