@@ -645,6 +645,10 @@ def format_delta(deltas):
     return f"{mean:+.4f}" + ("" if std is None else f" ± {std:.4f} [{mean - half:+.4f}, {mean + half:+.4f}]")
 
 
+def paired(reference, rows):
+    return format_delta(list(seed_deltas(reference, rows).values()))
+
+
 def sweep_rows(selector):
     """FILE.json:ARM[:KEY=VALUE...] -> the rows of that arm (at those grid settings) in that sweep,
     one per seed."""
@@ -700,11 +704,11 @@ def sweep_table(result, per_seed=()):
         if "loss" in metrics[0]:  # a sweep without eval.py loss (the anchor task's) has no loss columns
             mean, _, half = mean_interval([m["loss"] for m in metrics])
             line["loss_95ci"] = "-" if half is None else f"[{mean - half:.4f}, {mean + half:.4f}]"
-            delta = format_delta(list(seed_deltas(next(iter(groups.values())), rows).values()))
+            delta = paired(next(iter(groups.values())), rows)
             if lines and delta:
                 line["dloss_vs_first"] = delta
             if crossed and arm != first_arm and (first_arm, setting) in groups:
-                line[f"dloss_vs_{first_arm}"] = format_delta(list(seed_deltas(groups[(first_arm, setting)], rows).values())) or "-"
+                line[f"dloss_vs_{first_arm}"] = paired(groups[(first_arm, setting)], rows) or "-"
         for name in per_seed:
             line[f"{name} by seed"] = ", ".join(f"{r['seed']}: {metric(r, name):.4f}" for r in rows)
         line["tokens"] = rows[0]["tokens"]
