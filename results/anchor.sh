@@ -2,7 +2,7 @@
 # The anchor-task experiments of README "Results" (issue 9, item 6). Resumable like cpu_lm.sh:
 # every sweep skips its finished points. Each run is config/anchor_gamma1.py's (2 layers, d 64,
 # 4,680 steps, lr 1e-3) with the named changes; its held-out pair is scored by eval.py bench.
-#   bash results/anchor.sh [phase|robust|report ...]   # default: all three; 3-8 min per run on one core
+#   bash results/anchor.sh [phase|robust|ablate|report ...]   # default: all four; 3-8 min per run on one core
 #   VARIANTS="keyfirst keylast" bash results/anchor.sh robust   # some of the robustness variants
 set -uo pipefail  # no -e: a failed point (or sweep) must not stop the later sweeps
 cd "$(dirname "$0")/.."
@@ -12,7 +12,7 @@ anchor_data() {  # anchor_data NAME [prepare_data.py anchor options]: data/NAME,
     local out=data/$1; shift
     [ -f $out/meta.json ] || python prepare_data.py anchor --out $out "$@"
 }
-SECTIONS=${*:-phase robust report}
+SECTIONS=${*:-phase robust ablate report}
 
 for section in $SECTIONS; do case $section in
 phase)
@@ -38,12 +38,23 @@ robust)
             --set data_dir=data/anchor_$variant $extra
     done
     ;;
+ablate)
+    # Which part of the recipe makes the task compose, on the tuned task (data/anchor), 3 seeds:
+    # γ=1 alone (ε=1e-5, no gate), the two settings alone (γ=0.5, ε=1e-12, gate), the recipe
+    # without its gate, and the baseline with matrix decay 1.0 (does decay alone make γ=0.5 compose?).
+    anchor_data anchor
+    $SWEEP --name anchor_ablate --seeds 0,1,2 --arm recipe= --arm baseline=config/_baseline.py \
+        --arm gamma1_only=config/_baseline.py,gamma=1.0 --arm settings_only=,gamma=0.5 \
+        --arm no_gate=,model.attn_gate=none --arm baseline_wd1=config/_baseline.py,weight_decay.matrix=1.0
+    ;;
 report)
     python eval.py report results/anchor_phase.json --plot-x gamma --plot-y model.n_layer \
         --plot-metric heldout_inferential,heldout_symmetric --per-seed heldout_inferential --out results/report_anchor_phase.md
     python eval.py report results/anchor_{heldout24,heldout13,len15,keyfirst,keylast}.json \
         --plot-x arm --plot-metric heldout_inferential,heldout_symmetric --per-seed heldout_inferential,heldout_symmetric \
         --out results/report_anchor_robust.md
+    python eval.py report results/anchor_ablate.json --plot-x arm --plot-metric heldout_inferential,heldout_symmetric \
+        --per-seed heldout_inferential,heldout_symmetric --out results/report_anchor_ablate.md
     ;;
-*) echo "unknown section $section: phase, robust or report" >&2; exit 2 ;;
+*) echo "unknown section $section: phase, robust, ablate or report" >&2; exit 2 ;;
 esac; done

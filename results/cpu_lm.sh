@@ -85,6 +85,21 @@ done
 # 320 steps: neither arm is retuned per budget.
 $SWEEP --name budget --seeds 0,1,2 --arm recipe=,lr=$R --arm baseline=config/_baseline.py,lr=$B \
     --grid max_steps:warmup_steps=32:3,96:10,640:64
+# 6b. The same comparison at 2 and 6 tokens per parameter with each arm's lr retuned for that
+# budget (the 5-point grid, seed 0), then 3 seeds at each best: a short run favours a large lr,
+# and the baseline's (3e-2, tuned at 320 steps) is 10x the recipe's.
+BUDGETS="32:3 96:10"
+$SWEEP --name budget_lr --arm recipe= --arm baseline=config/_baseline.py --grid lr=$LRS --seeds 0 \
+    --grid max_steps:warmup_steps=$(echo $BUDGETS | tr ' ' ,)
+arms=()
+for budget in $BUDGETS; do
+    IFS=: read -r steps warm <<<"$budget"
+    for arm in recipe baseline; do
+        file=$([ $arm = baseline ] && echo config/_baseline.py)
+        arms+=(--arm "${arm}_s$steps=$file,max_steps=$steps,warmup_steps=$warm,lr=$(best_lr results/budget_lr.json $arm max_steps=$steps)")
+    done
+done
+$SWEEP --name budget_tuned --seeds 0,1,2 "${arms[@]}"
 
 # 7. Weight-decay pairing (2b): γ=1 with matrix decay 1.0 (its lr tuned on the same grid) against
 # γ=0.5 with 0.1, the γ sweep's gamma0.5 arm (ε=1e-12 and the gate in both).
@@ -153,6 +168,9 @@ python eval.py report results/gamma.json --plot-x gamma --out results/report_gam
 python eval.py report results/condensation/*.json results/tokens/*.json --out results/report_analyses.md
 python eval.py report results/budget.json --plot-x max_steps --out results/report_budget.md \
     $(for n in 32 96 640; do echo --pair results/budget.json:recipe:max_steps=$n results/budget.json:baseline:max_steps=$n; done)
+python eval.py report results/budget_lr.json --out results/report_budget_lr.md
+python eval.py report results/budget_tuned.json --out results/report_budget_tuned.md \
+    $(for n in 32 96; do echo --pair results/budget_tuned.json:recipe_s$n results/budget_tuned.json:baseline_s$n; done)
 python eval.py report results/wd_lr.json results/wd.json --out results/report_wd.md \
     --pair results/gamma.json:gamma0.5 results/wd.json:recipe_wd1 --pair results/settings.json:recipe results/wd.json:recipe_wd1
 python eval.py report results/scale_lr.json --out results/report_scale_lr.md
