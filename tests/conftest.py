@@ -1,4 +1,5 @@
 import os
+import re
 import sys
 
 import torch
@@ -53,3 +54,14 @@ def greedy_reference(model, idx, n, stop=None):
     if stop is None:
         return rows
     return [row[:next((k for k in range(1, n + 1) if stop(row[:k])), n)] for row in rows]
+
+
+def failure_text(proc):
+    """A failed subprocess's output for an assertion message. A torchrun worker's own last words
+    (a C++ abort's "terminate called ... what(): ...", a Python error) come before torchrun's
+    ~2 kB failure summary, so a plain tail shows only that the worker died, not why: the lines
+    that name a failure come first, then the tail."""
+    said = (proc.stdout or "") + (proc.stderr or "")
+    named = [line for line in said.splitlines()
+             if re.search(r"terminate called|what\(\)|Error|error:|Signal|Abort|exitcode|Timed out|reset by peer", line)]
+    return "\n".join(named[-40:]) + "\n--- last 3000 characters ---\n" + said[-3000:]

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import failure_text
 from init import gamma_init_, format_report
 from model import GPT, GPTConfig, init_model_
 
@@ -260,12 +261,12 @@ def test_tied_embeddings_are_drawn_once_and_stay_tied_after_a_meta_build():
 
 
 def _torchrun_init(nproc, out_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_SHOW_CPP_STACKTRACES": "1"}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
                           os.path.join(ROOT, "tests", "dist_init_worker.py"), str(out_path)],
                          env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0, failure_text(run)
     return torch.load(out_path)
 
 

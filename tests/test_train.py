@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import train
+from conftest import failure_text
 from model import GPT, GPTConfig, init_model_
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,9 +59,9 @@ def command(args, nproc):
 
 def run_train(args, nproc=1, ok=True, env=None):
     p = subprocess.run(command(args, nproc), cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_SHOW_CPP_STACKTRACES": "1", **(env or {})})
     if ok:
-        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        assert p.returncode == 0, failure_text(p)
     return p
 
 
