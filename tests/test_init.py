@@ -261,7 +261,7 @@ def test_tied_embeddings_are_drawn_once_and_stay_tied_after_a_meta_build():
 
 
 def _torchrun_init(nproc, out_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_SHOW_CPP_STACKTRACES": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
                           os.path.join(ROOT, "tests", "dist_init_worker.py"), str(out_path)],

@@ -59,7 +59,7 @@ def command(args, nproc):
 
 def run_train(args, nproc=1, ok=True, env=None):
     p = subprocess.run(command(args, nproc), cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_SHOW_CPP_STACKTRACES": "1", **(env or {})})
+                       env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     if ok:
         assert p.returncode == 0, failure_text(p)
     return p
