@@ -13,6 +13,7 @@ anchor_data() {  # anchor_data NAME [prepare_data.py anchor options]: data/NAME,
     [ -f $out/meta.json ] || python prepare_data.py anchor --out $out "$@"
 }
 SECTIONS=${*:-phase robust ablate report}
+SHARES=heldout_inferential,heldout_symmetric  # the held-out answer shares the reports plot and list by seed
 
 for section in $SECTIONS; do case $section in
 phase)
@@ -49,12 +50,12 @@ ablate)
     ;;
 report)
     python eval.py report results/anchor_phase.json --plot-x gamma --plot-y model.n_layer \
-        --plot-metric heldout_inferential,heldout_symmetric --per-seed heldout_inferential --out results/report_anchor_phase.md
+        --plot-metric $SHARES --per-seed heldout_inferential --out results/report_anchor_phase.md
     python eval.py report results/anchor_{heldout24,heldout13,len15,keyfirst,keylast}.json \
-        --plot-x arm --plot-metric heldout_inferential,heldout_symmetric --per-seed heldout_inferential,heldout_symmetric \
+        --plot-x arm --plot-metric $SHARES --per-seed $SHARES \
         --out results/report_anchor_robust.md
-    python eval.py report results/anchor_ablate.json --plot-x arm --plot-metric heldout_inferential,heldout_symmetric \
-        --per-seed heldout_inferential,heldout_symmetric --out results/report_anchor_ablate.md
+    python eval.py report results/anchor_ablate.json --plot-x arm --plot-metric $SHARES \
+        --per-seed $SHARES --out results/report_anchor_ablate.md
     ;;
 *) echo "unknown section $section: phase, robust, ablate or report" >&2; exit 2 ;;
 esac; done

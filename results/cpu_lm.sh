@@ -37,6 +37,15 @@ print(min(rows, key=lambda r: r["eval"]["loss"]["summary"]["loss"])["setting"]["
 PY
 }
 
+tuned_arms() {  # tuned_arms LR_RESULTS SUFFIX KEY=VALUE SETTINGS: "--arm recipe_SUFFIX=..." and the
+    # baseline's, each with SETTINGS and its best lr among the LR_RESULTS rows with KEY=VALUE
+    local arm file
+    for arm in recipe baseline; do
+        file=$([ $arm = baseline ] && echo config/_baseline.py)
+        echo "--arm ${arm}_$2=$file,$4,lr=$(best_lr "$1" $arm "$3")"
+    done
+}
+
 # 1. lr tuning, both arms, one seed: the recipe (γ=1, ε=1e-12, gate) and the standard baseline.
 $SWEEP --name lr_tune --arm recipe= --arm baseline=config/_baseline.py --grid lr=$LRS --seeds 0
 R=$(best_lr results/lr_tune.json recipe); B=$(best_lr results/lr_tune.json baseline)
@@ -94,10 +103,7 @@ $SWEEP --name budget_lr --arm recipe= --arm baseline=config/_baseline.py --grid 
 arms=()
 for budget in $BUDGETS; do
     IFS=: read -r steps warm <<<"$budget"
-    for arm in recipe baseline; do
-        file=$([ $arm = baseline ] && echo config/_baseline.py)
-        arms+=(--arm "${arm}_s$steps=$file,max_steps=$steps,warmup_steps=$warm,lr=$(best_lr results/budget_lr.json $arm max_steps=$steps)")
-    done
+    arms+=($(tuned_arms results/budget_lr.json s$steps max_steps=$steps max_steps=$steps,warmup_steps=$warm))
 done
 $SWEEP --name budget_tuned --seeds 0,1,2 "${arms[@]}"
 
@@ -114,10 +120,7 @@ $SWEEP --name scale_lr --arm recipe= --arm baseline=config/_baseline.py --grid $
 arms=()
 for size in 24:52:5 32:104:10 48:176:18; do
     IFS=: read -r d steps warm <<<"$size"
-    for arm in recipe baseline; do
-        file=$([ $arm = baseline ] && echo config/_baseline.py)
-        arms+=(--arm "${arm}_d$d=$file,model.d_model=$d,max_steps=$steps,warmup_steps=$warm,lr=$(best_lr results/scale_lr.json $arm model.d_model=$d)")
-    done
+    arms+=($(tuned_arms results/scale_lr.json d$d model.d_model=$d model.d_model=$d,max_steps=$steps,warmup_steps=$warm))
 done
 $SWEEP --name scale --seeds 0,1,2 "${arms[@]}"
 # The fit: L(N) = a·N^-α + c through the baseline's 4 widths (d64 from the settings sweep), the
