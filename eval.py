@@ -838,7 +838,7 @@ def run_report(args):
     lines = []
     for path, result in groups.pop("sweep", []):
         lines += [f"### sweep {result['name']} ({os.path.basename(path)}; {result['summary']['finished']} of "
-                  f"{result['summary']['points']} points)", "", format_table(sweep_table(result, args.per_seed.split(",") if args.per_seed else ()), markdown=True), ""]
+                  f"{result['summary']['points']} points)", "", format_table(sweep_table(result, args.per_seed), markdown=True), ""]
         for name in args.plot_metric.split(",") if args.plot_x else []:
             # beside the results JSON; named by the metric unless it is the loss
             plot = os.path.splitext(path)[0] + ("" if name == "loss" else f"_{name}") + ".png"
@@ -969,7 +969,7 @@ def build_parser():
     p.add_argument("--plot-x", help="sweeps: plot --plot-metric against this setting (gamma, lr, ...; 'arm': arms as categories) beside each results JSON")
     p.add_argument("--pair", nargs=2, action="append", default=[], metavar=("A", "B"),
                    help="sweeps: B - A by seed, each FILE.json:ARM[:KEY=VALUE...] (repeatable; across files too)")
-    p.add_argument("--per-seed", help="sweeps: these table columns also seed by seed (comma-separated, e.g. loss)")
+    p.add_argument("--per-seed", type=lambda names: names.split(","), default=[], help="sweeps: these table columns also seed by seed (comma-separated, e.g. loss)")
     p.add_argument("--plot-y", help="sweeps: with --plot-x, a heatmap over the two settings (e.g. model.n_layer)")
     p.add_argument("--plot-metric", default="loss", help="sweeps: what --plot-x plots, comma-separated "
                    f"(loss, best_val_loss, sink_first, loss_<source>, {', '.join(ANCHOR_METRICS)})")
