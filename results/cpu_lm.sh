@@ -94,10 +94,10 @@ done
 # 320 steps: neither arm is retuned per budget.
 $SWEEP --name budget --seeds 0,1,2 --arm recipe=,lr=$R --arm baseline=config/_baseline.py,lr=$B \
     --grid max_steps:warmup_steps=32:3,96:10,640:64
-# 6b. The same comparison at 2 and 6 tokens per parameter with each arm's lr retuned for that
+# 6b. The same comparison at 2, 6 and 40 tokens per parameter with each arm's lr retuned for that
 # budget (the 5-point grid, seed 0), then 3 seeds at each best: a short run favours a large lr,
-# and the baseline's (3e-2, tuned at 320 steps) is 10x the recipe's.
-BUDGETS="32:3 96:10"
+# and the baseline's (3e-2, tuned at 320 steps) is 10x the recipe's. (640 steps ran a session later.)
+BUDGETS="32:3 96:10 640:64"
 $SWEEP --name budget_lr --arm recipe= --arm baseline=config/_baseline.py --grid lr=$LRS --seeds 0 \
     --grid max_steps:warmup_steps=$(echo $BUDGETS | tr ' ' ,)
 arms=()
@@ -156,11 +156,12 @@ $SWEEP --name moe $MOE --seeds 0,1,2 --arm "recipe=,lr=$(best_lr results/moe_lr.
 
 # 10. lr transfer across width (8): the residual-flow argument says γ=1 makes updates
 # width-independent, so its best lr should move less with width than γ=0.5's. Widths 32, 64,
-# 128 (2 layers), one budget for all (96 steps), the 5-point lr grid, seed 0, one sweep per arm.
+# 128, 256 (2 layers; 256 ran a session later), one budget for all (96 steps), the 5-point lr
+# grid, seed 0, one sweep per arm.
 for arm in recipe baseline; do
     file=$([ $arm = baseline ] && echo config/_baseline.py)
     $SWEEP --name lr_width_$arm --grid lr=$LRS --set max_steps=96 --set warmup_steps=10 \
-        $(for d in 32 64 128; do echo --arm "${arm}_d$d=$file,model.d_model=$d"; done)
+        $(for d in 32 64 128 256; do echo --arm "${arm}_d$d=$file,model.d_model=$d"; done)
 done
 
 # The README tables and plots.
@@ -173,7 +174,7 @@ python eval.py report results/budget.json --plot-x max_steps --out results/repor
     $(for n in 32 96 640; do echo --pair results/budget.json:recipe:max_steps=$n results/budget.json:baseline:max_steps=$n; done)
 python eval.py report results/budget_lr.json --out results/report_budget_lr.md
 python eval.py report results/budget_tuned.json --out results/report_budget_tuned.md \
-    $(for n in 32 96; do echo --pair results/budget_tuned.json:recipe_s$n results/budget_tuned.json:baseline_s$n; done)
+    $(for n in 32 96 640; do echo --pair results/budget_tuned.json:recipe_s$n results/budget_tuned.json:baseline_s$n; done)
 python eval.py report results/wd_lr.json results/wd.json --out results/report_wd.md \
     --pair results/gamma.json:gamma0.5 results/wd.json:recipe_wd1 --pair results/settings.json:recipe results/wd.json:recipe_wd1
 python eval.py report results/scale_lr.json --out results/report_scale_lr.md
