@@ -2,7 +2,7 @@
 # The anchor-task experiments of README "Results" (issue 9, item 6). Resumable like cpu_lm.sh:
 # every sweep skips its finished points. Each run is config/anchor_gamma1.py's (2 layers, d 64,
 # 4,680 steps, lr 1e-3) with the named changes; its held-out pair is scored by eval.py bench.
-#   bash results/anchor.sh [phase|robust|ablate|report ...]   # default: all four; 3-8 min per run on one core
+#   bash results/anchor.sh [phase|robust|ablate|width_lr|report ...]   # default: all five; 3-8 min per run on one core
 #   VARIANTS="keyfirst keylast" bash results/anchor.sh robust   # some of the robustness variants
 set -uo pipefail  # no -e: a failed point (or sweep) must not stop the later sweeps
 cd "$(dirname "$0")/.."
@@ -12,7 +12,7 @@ anchor_data() {  # anchor_data NAME [prepare_data.py anchor options]: data/NAME,
     local out=data/$1; shift
     [ -f $out/meta.json ] || python prepare_data.py anchor --out $out "$@"
 }
-SECTIONS=${*:-phase robust ablate report}
+SECTIONS=${*:-phase robust ablate width_lr report}
 SHARES=heldout_inferential,heldout_symmetric  # the held-out answer shares the reports plot and list by seed
 
 for section in $SECTIONS; do case $section in
@@ -48,6 +48,15 @@ ablate)
         --arm gamma1_only=config/_baseline.py,gamma=1.0 --arm settings_only=,gamma=0.5 \
         --arm no_gate=,model.attn_gate=none --arm baseline_wd1=config/_baseline.py,weight_decay.matrix=1.0
     ;;
+width_lr)
+    # The search's two outcomes that the README quoted from its private harness, rerun here:
+    # γ=1's inferential answers weakened at d_model 128 and were fragile at lr 3e-3. Both arms,
+    # 3 seeds; the lr arms first (they take half as long).
+    anchor_data anchor
+    $SWEEP --name anchor_width_lr --seeds 0,1,2 \
+        --arm recipe_lr3e-3=,lr=3e-3 --arm baseline_lr3e-3=config/_baseline.py,lr=3e-3 \
+        --arm recipe_d128=,model.d_model=128 --arm baseline_d128=config/_baseline.py,model.d_model=128
+    ;;
 report)
     python eval.py report results/anchor_phase.json --plot-x gamma --plot-y model.n_layer \
         --plot-metric $SHARES --per-seed heldout_inferential --out results/report_anchor_phase.md
@@ -56,6 +65,8 @@ report)
         --out results/report_anchor_robust.md
     python eval.py report results/anchor_ablate.json --plot-x arm --plot-metric $SHARES \
         --per-seed $SHARES --out results/report_anchor_ablate.md
+    python eval.py report results/anchor_width_lr.json --plot-x arm --plot-metric $SHARES \
+        --per-seed $SHARES --out results/report_anchor_width_lr.md
     ;;
-*) echo "unknown section $section: phase, robust, ablate or report" >&2; exit 2 ;;
+*) echo "unknown section $section: phase, robust, ablate, width_lr or report" >&2; exit 2 ;;
 esac; done
