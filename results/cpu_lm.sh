@@ -8,7 +8,8 @@
 # settings (e.g. a best lr that moved) stops with an error instead of reporting it.
 #   python prepare_data.py text --out data/bi_bytes --tokenizer bytes --max-tokens 16M \
 #       --source en=../shared/data/corpus/en,weight=0.5 --source zh=../shared/data/corpus/zh/four_classics,weight=0.5
-#   bash results/cpu_lm.sh            # one point at a time, one thread: ~2 min per point
+#   bash results/cpu_lm.sh [SECTION ...]   # default: every section of ALL below, in order; ~2 min per point
+# Every section after lr reads the lr results it needs from results/*.json, so any one can be rerun.
 set -uo pipefail  # no -e: a failed point (or sweep) must not stop the later sweeps
 cd "$(dirname "$0")/.."
 JOBS=${JOBS:-1}
@@ -46,86 +47,20 @@ tuned_arms() {  # tuned_arms LR_RESULTS SUFFIX KEY=VALUE SETTINGS: "--arm recipe
     done
 }
 
-# 1. lr tuning, both arms, one seed: the recipe (γ=1, ε=1e-12, gate) and the standard baseline.
-$SWEEP --name lr_tune --arm recipe= --arm baseline=config/_baseline.py --grid lr=$LRS --seeds 0
-R=$(best_lr results/lr_tune.json recipe); B=$(best_lr results/lr_tune.json baseline)
-echo "best lr: recipe $R, baseline $B"
+tuned_lrs() {  # R and B: the recipe's and the baseline's best lr of the lr section
+    R=$(best_lr results/lr_tune.json recipe) && B=$(best_lr results/lr_tune.json baseline)
+}
 
-# 2. The two settings at γ=1 (recipe lr), and the baseline at its own lr; 3 seeds; loss + sink.
-# keep_steps: early checkpoints for the condensation trajectory (eval.py weights), free to keep.
-$SWEEP --name settings --eval loss,sink --seeds 0,1,2 --set "keep_steps=[0,5,10,20,40,80,160]" \
-    --arm recipe=,lr=$R \
-    --arm eps1e-5=,lr=$R,model.norm_eps=1e-5 \
-    --arm no_gate=,lr=$R,model.attn_gate=none \
-    --arm eps1e-5_no_gate=,lr=$R,model.norm_eps=1e-5,model.attn_gate=none \
-    --arm baseline=config/_baseline.py,lr=$B
-
-# 2c. The ε arms with LayerNorm instead of RMSNorm (γ=1, gate, recipe lr), 3 seeds.
-$SWEEP --name layernorm --eval loss,sink --seeds 0,1,2 \
-    --arm ln_eps1e-12=,lr=$R,model.norm=layernorm \
-    --arm ln_eps1e-5=,lr=$R,model.norm=layernorm,model.norm_eps=1e-5
-
-# 3. γ sweep with ε=1e-12 and the gate: each γ's lr tuned on seed 0, then 3 seeds at its best.
-$SWEEP --name gamma_lr --grid gamma=0.3,0.5,0.75,1.25,1.5 --grid lr=$GAMMA_LRS --seeds 0
-arms=()
-for g in 0.3 0.5 0.75 1.25 1.5; do arms+=(--arm "gamma$g=,gamma=$g,lr=$(best_lr results/gamma_lr.json base gamma=$g)"); done
-arms+=(--arm "gamma1.0=,gamma=1.0,lr=$R")  # the settings sweep's recipe arm again, so this file holds every γ
-$SWEEP --name gamma --seeds 0,1,2 "${arms[@]}"
-
-# 4. Condensation: weight structure over the settings runs' kept checkpoints (steps 0..320).
-mkdir -p results/condensation results/tokens
-for arm in recipe baseline; do
-    for s in 0 1 2; do
-        made results/condensation/$arm-seed$s.json || python eval.py weights out/sweeps/settings/$arm-seed$s --json-out results/condensation/$arm-seed$s.json
+near_best() {  # near_best ARM: "d:lr,..." over the widths, lr_width_ARM's best lr and its grid neighbours
+    local d best i grid=(${LRS//,/ }) out=()
+    for d in 32 64 128 256; do
+        best=$(best_lr results/lr_width_$1.json ${1}_d$d) || return 1
+        for i in "${!grid[@]}"; do [ "${grid[$i]}" = "$best" ] && break; done
+        out+=($(printf "$d:%s\n" "${grid[@]:$((i > 0 ? i - 1 : 0)):$((i > 0 ? 3 : 2))}"))
     done
-    made results/condensation/trajectory_$arm-seed0.png || python eval.py weights out/sweeps/settings/$arm-seed0 --plot results/condensation/trajectory_$arm-seed0.png
-    for step in 00000010 00000320; do
-        made results/condensation/heatmap_$arm-seed0_step${step#0000}.png ||
-            python eval.py weights out/sweeps/settings/$arm-seed0/ckpt_$step --heatmap results/condensation/heatmap_$arm-seed0_step${step#0000}.png
-    done
-done
-# 5. Token level: Δsym of the recipe over the baseline by difficulty bucket, per seed.
-for s in 0 1 2; do
-    made results/tokens/recipe_vs_baseline_seed$s.json || python eval.py tokens out/sweeps/settings/recipe-seed$s out/sweeps/settings/baseline-seed$s --tokens 262144 \
-        --json-out results/tokens/recipe_vs_baseline_seed$s.json $( [ $s = 0 ] && echo --plot results/tokens/recipe_vs_baseline_seed0.png )
-done
-# 6. Token budget (2b): recipe vs baseline from 2 to 40 tokens per non-embedding parameter (20 is
-# the settings sweep's 320 steps); warmup stays a tenth of the budget. Each arm keeps its lr tuned at
-# 320 steps: neither arm is retuned per budget.
-$SWEEP --name budget --seeds 0,1,2 --arm recipe=,lr=$R --arm baseline=config/_baseline.py,lr=$B \
-    --grid max_steps:warmup_steps=32:3,96:10,640:64
-# 6b. The same comparison at 2, 6 and 40 tokens per parameter with each arm's lr retuned for that
-# budget (the 5-point grid, seed 0), then 3 seeds at each best: a short run favours a large lr,
-# and the baseline's (3e-2, tuned at 320 steps) is 10x the recipe's. (640 steps ran a session later.)
-BUDGETS="32:3 96:10 640:64"
-$SWEEP --name budget_lr --arm recipe= --arm baseline=config/_baseline.py --grid lr=$LRS --seeds 0 \
-    --grid max_steps:warmup_steps=$(echo $BUDGETS | tr ' ' ,)
-arms=()
-for budget in $BUDGETS; do
-    IFS=: read -r steps warm <<<"$budget"
-    arms+=($(tuned_arms results/budget_lr.json s$steps max_steps=$steps max_steps=$steps,warmup_steps=$warm))
-done
-$SWEEP --name budget_tuned --seeds 0,1,2 "${arms[@]}"
+    (IFS=,; echo "${out[*]}")
+}
 
-# 7. Weight-decay pairing (2b): γ=1 with matrix decay 1.0 (its lr tuned on the same grid) against
-# γ=0.5 with 0.1, the γ sweep's gamma0.5 arm (ε=1e-12 and the gate in both).
-$SWEEP --name wd_lr --arm recipe_wd1=,weight_decay.matrix=1.0 --grid lr=$LRS --seeds 0
-$SWEEP --name wd --seeds 0,1,2 --arm "recipe_wd1=,weight_decay.matrix=1.0,lr=$(best_lr results/wd_lr.json recipe_wd1)"
-
-# 8. Scale (3): widths 24, 32, 48 next to 64 (the settings sweep), 2 layers, ~20 tokens per
-# non-embedding parameter each (21k, 43k, 72k, 131k parameters); both arms' lr tuned per width on
-# 3e-3..3e-2 (seed 0), then 3 seeds at each best.
-SIZES=model.d_model:max_steps:warmup_steps=24:52:5,32:104:10,48:176:18
-$SWEEP --name scale_lr --arm recipe= --arm baseline=config/_baseline.py --grid $SIZES --grid lr=0.003,0.01,0.03 --seeds 0
-arms=()
-for size in 24:52:5 32:104:10 48:176:18; do
-    IFS=: read -r d steps warm <<<"$size"
-    arms+=($(tuned_arms results/scale_lr.json d$d model.d_model=$d model.d_model=$d,max_steps=$steps,warmup_steps=$warm))
-done
-$SWEEP --name scale --seeds 0,1,2 "${arms[@]}"
-# The fit: L(N) = a·N^-α + c through the baseline's 4 widths (d64 from the settings sweep), the
-# recipe's widths as effective baseline sizes. Once on the seed means (delta-method error from
-# the fit), once per seed (seed s of every width), so the multiple's spread over seeds shows.
 scale_points() {  # scale_points ARM SEED|mean: N=loss per width, N the non-embedding parameters
     python - "$@" <<'PY'
 import json, statistics, sys
@@ -140,47 +75,159 @@ for r in rows:
 print(" ".join(f"{n}={statistics.mean(v)!r}" for n, v in sorted(by_n.items())))
 PY
 }
-mkdir -p results/scaling
-for s in mean 0 1 2; do
-    out=results/scaling/$([ $s = mean ] && echo mean || echo seed$s)
-    made $out.json || python eval.py scaling --baseline $(scale_points baseline $s) \
-        --compare $(scale_points recipe $s) --json-out $out.json $( [ $s = mean ] && echo --plot $out.png )
-done
 
-# 9. MoE (7): 4 experts of width 96, top-2 (the dense model's active MLP width), both arms' lr on
-# 3e-3..3e-2 (seed 0), then 3 seeds at each best.
-MOE="--set model.n_experts=4 --set model.top_k=2 --set model.d_expert=96"
-$SWEEP --name moe_lr $MOE --arm recipe= --arm baseline=config/_baseline.py --grid lr=0.003,0.01,0.03 --seeds 0
-$SWEEP --name moe $MOE --seeds 0,1,2 --arm "recipe=,lr=$(best_lr results/moe_lr.json recipe)" \
-    --arm "baseline=config/_baseline.py,lr=$(best_lr results/moe_lr.json baseline)"
+ALL="lr settings layernorm gamma analyses budget wd scale moe lr_width report"
+SECTIONS=${*:-$ALL}
 
-# 10. lr transfer across width (8): the residual-flow argument says γ=1 makes updates
-# width-independent, so its best lr should move less with width than γ=0.5's. Widths 32, 64,
-# 128, 256 (2 layers; 256 ran a session later), one budget for all (96 steps), the 5-point lr
-# grid, seed 0, one sweep per arm.
-for arm in recipe baseline; do
-    file=$([ $arm = baseline ] && echo config/_baseline.py)
-    $SWEEP --name lr_width_$arm --grid lr=$LRS --set max_steps=96 --set warmup_steps=10 \
-        $(for d in 32 64 128 256; do echo --arm "${arm}_d$d=$file,model.d_model=$d"; done)
-done
-
-# The README tables and plots.
-python eval.py report results/lr_tune.json --plot-x lr --out results/report_lr.md
-python eval.py report results/settings.json results/layernorm.json --plot-x arm --out results/report_settings.md
-python eval.py report results/gamma_lr.json --out results/report_gamma_lr.md
-python eval.py report results/gamma.json --plot-x gamma --out results/report_gamma.md
-python eval.py report results/condensation/*.json results/tokens/*.json --out results/report_analyses.md
-python eval.py report results/budget.json --plot-x max_steps --out results/report_budget.md \
-    $(for n in 32 96 640; do echo --pair results/budget.json:recipe:max_steps=$n results/budget.json:baseline:max_steps=$n; done)
-python eval.py report results/budget_lr.json --out results/report_budget_lr.md
-python eval.py report results/budget_tuned.json --out results/report_budget_tuned.md \
-    $(for n in 32 96 640; do echo --pair results/budget_tuned.json:recipe_s$n results/budget_tuned.json:baseline_s$n; done)
-python eval.py report results/wd_lr.json results/wd.json --out results/report_wd.md \
-    --pair results/gamma.json:gamma0.5 results/wd.json:recipe_wd1 --pair results/settings.json:recipe results/wd.json:recipe_wd1
-python eval.py report results/scale_lr.json --out results/report_scale_lr.md
-python eval.py report results/scale.json --plot-x model.d_model --out results/report_scale.md \
-    $(for d in 24 32 48; do echo --pair results/scale.json:recipe_d$d results/scale.json:baseline_d$d; done) \
-    --pair results/settings.json:recipe results/settings.json:baseline
-python eval.py report results/scaling/*.json --out results/report_scaling.md
-python eval.py report results/lr_width_recipe.json results/lr_width_baseline.json --plot-x lr --out results/report_lr_width.md
-python eval.py report results/moe_lr.json results/moe.json --plot-x arm --out results/report_moe.md
+for section in $SECTIONS; do case $section in
+lr)
+    # 1. lr tuning, both arms, one seed: the recipe (γ=1, ε=1e-12, gate) and the standard baseline.
+    $SWEEP --name lr_tune --arm recipe= --arm baseline=config/_baseline.py --grid lr=$LRS --seeds 0
+    tuned_lrs; echo "best lr: recipe $R, baseline $B"
+    ;;
+settings)
+    # 2. The two settings at γ=1 (recipe lr), and the baseline at its own lr; 3 seeds; loss + sink.
+    # keep_steps: early checkpoints for the condensation trajectory (eval.py weights), free to keep.
+    tuned_lrs || continue
+    $SWEEP --name settings --eval loss,sink --seeds 0,1,2 --set "keep_steps=[0,5,10,20,40,80,160]" \
+        --arm recipe=,lr=$R \
+        --arm eps1e-5=,lr=$R,model.norm_eps=1e-5 \
+        --arm no_gate=,lr=$R,model.attn_gate=none \
+        --arm eps1e-5_no_gate=,lr=$R,model.norm_eps=1e-5,model.attn_gate=none \
+        --arm baseline=config/_baseline.py,lr=$B
+    ;;
+layernorm)
+    # 2c. The ε arms with LayerNorm instead of RMSNorm (γ=1, gate, recipe lr), 3 seeds.
+    tuned_lrs || continue
+    $SWEEP --name layernorm --eval loss,sink --seeds 0,1,2 \
+        --arm ln_eps1e-12=,lr=$R,model.norm=layernorm \
+        --arm ln_eps1e-5=,lr=$R,model.norm=layernorm,model.norm_eps=1e-5
+    ;;
+gamma)
+    # 3. γ sweep with ε=1e-12 and the gate: each γ's lr tuned on seed 0, then 3 seeds at its best.
+    tuned_lrs || continue
+    $SWEEP --name gamma_lr --grid gamma=0.3,0.5,0.75,1.25,1.5 --grid lr=$GAMMA_LRS --seeds 0
+    arms=()
+    for g in 0.3 0.5 0.75 1.25 1.5; do arms+=(--arm "gamma$g=,gamma=$g,lr=$(best_lr results/gamma_lr.json base gamma=$g)"); done
+    arms+=(--arm "gamma1.0=,gamma=1.0,lr=$R")  # the settings sweep's recipe arm again, so this file holds every γ
+    $SWEEP --name gamma --seeds 0,1,2 "${arms[@]}"
+    ;;
+analyses)
+    # 4. Condensation: weight structure over the settings runs' kept checkpoints (steps 0..320).
+    mkdir -p results/condensation results/tokens
+    for arm in recipe baseline; do
+        for s in 0 1 2; do
+            made results/condensation/$arm-seed$s.json || python eval.py weights out/sweeps/settings/$arm-seed$s --json-out results/condensation/$arm-seed$s.json
+        done
+        made results/condensation/trajectory_$arm-seed0.png || python eval.py weights out/sweeps/settings/$arm-seed0 --plot results/condensation/trajectory_$arm-seed0.png
+        for step in 00000010 00000320; do
+            made results/condensation/heatmap_$arm-seed0_step${step#0000}.png ||
+                python eval.py weights out/sweeps/settings/$arm-seed0/ckpt_$step --heatmap results/condensation/heatmap_$arm-seed0_step${step#0000}.png
+        done
+    done
+    # 5. Token level: Δsym of the recipe over the baseline by difficulty bucket, per seed.
+    for s in 0 1 2; do
+        made results/tokens/recipe_vs_baseline_seed$s.json || python eval.py tokens out/sweeps/settings/recipe-seed$s out/sweeps/settings/baseline-seed$s --tokens 262144 \
+            --json-out results/tokens/recipe_vs_baseline_seed$s.json $( [ $s = 0 ] && echo --plot results/tokens/recipe_vs_baseline_seed0.png )
+    done
+    ;;
+budget)
+    # 6. Token budget (2b): recipe vs baseline from 2 to 40 tokens per non-embedding parameter (20 is
+    # the settings sweep's 320 steps); warmup stays a tenth of the budget. Each arm keeps its lr tuned at
+    # 320 steps: neither arm is retuned per budget.
+    tuned_lrs || continue
+    $SWEEP --name budget --seeds 0,1,2 --arm recipe=,lr=$R --arm baseline=config/_baseline.py,lr=$B \
+        --grid max_steps:warmup_steps=32:3,96:10,640:64
+    # 6b. The same comparison at 2, 6 and 40 tokens per parameter with each arm's lr retuned for that
+    # budget (the 5-point grid, seed 0), then 3 seeds at each best: a short run favours a large lr,
+    # and the baseline's (3e-2, tuned at 320 steps) is 10x the recipe's. (640 steps ran a session later.)
+    BUDGETS="32:3 96:10 640:64"
+    $SWEEP --name budget_lr --arm recipe= --arm baseline=config/_baseline.py --grid lr=$LRS --seeds 0 \
+        --grid max_steps:warmup_steps=$(echo $BUDGETS | tr ' ' ,)
+    arms=()
+    for budget in $BUDGETS; do
+        IFS=: read -r steps warm <<<"$budget"
+        arms+=($(tuned_arms results/budget_lr.json s$steps max_steps=$steps max_steps=$steps,warmup_steps=$warm))
+    done
+    $SWEEP --name budget_tuned --seeds 0,1,2 "${arms[@]}"
+    ;;
+wd)
+    # 7. Weight-decay pairing (2b): γ=1 with matrix decay 1.0 (its lr tuned on the same grid) against
+    # γ=0.5 with 0.1, the γ sweep's gamma0.5 arm (ε=1e-12 and the gate in both).
+    $SWEEP --name wd_lr --arm recipe_wd1=,weight_decay.matrix=1.0 --grid lr=$LRS --seeds 0
+    $SWEEP --name wd --seeds 0,1,2 --arm "recipe_wd1=,weight_decay.matrix=1.0,lr=$(best_lr results/wd_lr.json recipe_wd1)"
+    ;;
+scale)
+    # 8. Scale (3): widths 24, 32, 48 next to 64 (the settings sweep), 2 layers, ~20 tokens per
+    # non-embedding parameter each (21k, 43k, 72k, 131k parameters); both arms' lr tuned per width on
+    # 3e-3..3e-2 (seed 0), then 3 seeds at each best.
+    SIZES=model.d_model:max_steps:warmup_steps=24:52:5,32:104:10,48:176:18
+    $SWEEP --name scale_lr --arm recipe= --arm baseline=config/_baseline.py --grid $SIZES --grid lr=0.003,0.01,0.03 --seeds 0
+    arms=()
+    for size in 24:52:5 32:104:10 48:176:18; do
+        IFS=: read -r d steps warm <<<"$size"
+        arms+=($(tuned_arms results/scale_lr.json d$d model.d_model=$d model.d_model=$d,max_steps=$steps,warmup_steps=$warm))
+    done
+    $SWEEP --name scale --seeds 0,1,2 "${arms[@]}"
+    # The fit: L(N) = a·N^-α + c through the baseline's 4 widths (d64 from the settings sweep), the
+    # recipe's widths as effective baseline sizes. Once on the seed means (delta-method error from
+    # the fit), once per seed (seed s of every width), so the multiple's spread over seeds shows.
+    mkdir -p results/scaling
+    for s in mean 0 1 2; do
+        out=results/scaling/$([ $s = mean ] && echo mean || echo seed$s)
+        made $out.json || python eval.py scaling --baseline $(scale_points baseline $s) \
+            --compare $(scale_points recipe $s) --json-out $out.json $( [ $s = mean ] && echo --plot $out.png )
+    done
+    ;;
+moe)
+    # 9. MoE (7): 4 experts of width 96, top-2 (the dense model's active MLP width), both arms' lr on
+    # 3e-3..3e-2 (seed 0), then 3 seeds at each best.
+    MOE="--set model.n_experts=4 --set model.top_k=2 --set model.d_expert=96"
+    $SWEEP --name moe_lr $MOE --arm recipe= --arm baseline=config/_baseline.py --grid lr=0.003,0.01,0.03 --seeds 0
+    $SWEEP --name moe $MOE --seeds 0,1,2 --arm "recipe=,lr=$(best_lr results/moe_lr.json recipe)" \
+        --arm "baseline=config/_baseline.py,lr=$(best_lr results/moe_lr.json baseline)"
+    ;;
+lr_width)
+    # 10. lr transfer across width (8): the residual-flow argument says γ=1 makes updates
+    # width-independent, so its best lr should move less with width than γ=0.5's. Widths 32, 64,
+    # 128, 256 (2 layers; 256 ran a session later), one budget for all (96 steps), the 5-point lr
+    # grid, seed 0, one sweep per arm.
+    for arm in recipe baseline; do
+        file=$([ $arm = baseline ] && echo config/_baseline.py)
+        $SWEEP --name lr_width_$arm --grid lr=$LRS --set max_steps=96 --set warmup_steps=10 \
+            $(for d in 32 64 128 256; do echo --arm "${arm}_d$d=$file,model.d_model=$d"; done)
+    done
+    # 10b. Seeds 1 and 2 where the best lr is decided: at each width, the seed-0 best and its grid
+    # neighbours (a zipped width:lr axis), one sweep per arm.
+    for arm in recipe baseline; do
+        file=$([ $arm = baseline ] && echo config/_baseline.py)
+        $SWEEP --name lr_width_seeds_$arm --arm "$arm=$file" --seeds 1,2 --set max_steps=96 --set warmup_steps=10 \
+            --grid model.d_model:lr=$(near_best $arm)
+    done
+    ;;
+report)
+    # The README tables and plots.
+    python eval.py report results/lr_tune.json --plot-x lr --out results/report_lr.md
+    python eval.py report results/settings.json results/layernorm.json --plot-x arm --out results/report_settings.md
+    python eval.py report results/gamma_lr.json --out results/report_gamma_lr.md
+    python eval.py report results/gamma.json --plot-x gamma --out results/report_gamma.md
+    python eval.py report results/condensation/*.json results/tokens/*.json --out results/report_analyses.md
+    python eval.py report results/budget.json --plot-x max_steps --out results/report_budget.md \
+        $(for n in 32 96 640; do echo --pair results/budget.json:recipe:max_steps=$n results/budget.json:baseline:max_steps=$n; done)
+    python eval.py report results/budget_lr.json --out results/report_budget_lr.md
+    python eval.py report results/budget_tuned.json --out results/report_budget_tuned.md \
+        $(for n in 32 96 640; do echo --pair results/budget_tuned.json:recipe_s$n results/budget_tuned.json:baseline_s$n; done)
+    python eval.py report results/wd_lr.json results/wd.json --out results/report_wd.md \
+        --pair results/gamma.json:gamma0.5 results/wd.json:recipe_wd1 --pair results/settings.json:recipe results/wd.json:recipe_wd1
+    python eval.py report results/scale_lr.json --out results/report_scale_lr.md
+    python eval.py report results/scale.json --plot-x model.d_model --out results/report_scale.md \
+        $(for d in 24 32 48; do echo --pair results/scale.json:recipe_d$d results/scale.json:baseline_d$d; done) \
+        --pair results/settings.json:recipe results/settings.json:baseline
+    python eval.py report results/scaling/*.json --out results/report_scaling.md
+    python eval.py report results/lr_width_recipe.json results/lr_width_baseline.json --plot-x lr --out results/report_lr_width.md
+    python eval.py report results/lr_width_seeds_recipe.json results/lr_width_seeds_baseline.json --per-seed loss \
+        --out results/report_lr_width_seeds.md
+    python eval.py report results/moe_lr.json results/moe.json --plot-x arm --out results/report_moe.md
+    ;;
+*) echo "unknown section $section: one of $ALL" >&2; exit 2 ;;
+esac; done
