@@ -16,6 +16,7 @@ JOBS=${JOBS:-1}
 BASE=config/cpu_lm.py
 LRS=0.001,0.003,0.01,0.03,0.1
 GAMMA_LRS=$LRS  # first run on 1e-3..3e-2 (time); extended to 1e-1 after γ<=0.75 had their best at 3e-2
+WIDTH_LRS=0.0003,$LRS  # extended down after the recipe's best at width 256 was the 1e-3 edge
 SWEEP="python sweep.py $BASE --jobs $JOBS"
 made() { [ -s "$1" ]; }  # an analysis whose output exists is not redone (the script is rerun to resume)
 
@@ -52,7 +53,7 @@ tuned_lrs() {  # R and B: the recipe's and the baseline's best lr of the lr sect
 }
 
 near_best() {  # near_best ARM: "d:lr,..." over the widths, lr_width_ARM's best lr and its grid neighbours
-    local d best i grid=(${LRS//,/ }) out=()
+    local d best i grid=(${WIDTH_LRS//,/ }) out=()
     for d in 32 64 128 256; do
         best=$(best_lr results/lr_width_$1.json ${1}_d$d) || return 1
         for i in "${!grid[@]}"; do [ "${grid[$i]}" = "$best" ] && break; done
@@ -190,11 +191,11 @@ moe)
 lr_width)
     # 10. lr transfer across width (8): the residual-flow argument says γ=1 makes updates
     # width-independent, so its best lr should move less with width than γ=0.5's. Widths 32, 64,
-    # 128, 256 (2 layers; 256 ran a session later), one budget for all (96 steps), the 5-point lr
-    # grid, seed 0, one sweep per arm.
+    # 128, 256 (2 layers; 256 and lr 3e-4 ran a session later), one budget for all (96 steps), the
+    # lr grid WIDTH_LRS, seed 0, one sweep per arm.
     for arm in recipe baseline; do
         file=$([ $arm = baseline ] && echo config/_baseline.py)
-        $SWEEP --name lr_width_$arm --grid lr=$LRS --set max_steps=96 --set warmup_steps=10 \
+        $SWEEP --name lr_width_$arm --grid lr=$WIDTH_LRS --set max_steps=96 --set warmup_steps=10 \
             $(for d in 32 64 128 256; do echo --arm "${arm}_d$d=$file,model.d_model=$d"; done)
     done
     # 10b. Seeds 1 and 2 where the best lr is decided: at each width, the seed-0 best and its grid
