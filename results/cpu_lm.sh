@@ -52,14 +52,25 @@ tuned_lrs() {  # R and B: the recipe's and the baseline's best lr of the lr sect
     R=$(best_lr results/lr_tune.json recipe) && B=$(best_lr results/lr_tune.json baseline)
 }
 
-near_best() {  # near_best ARM: "d:lr,..." at widths 64-256, lr_width_ARM's best lr and its grid neighbours
-    local d best i grid=(${WIDTH_LRS//,/ }) out=()
-    for d in 64 128 256; do
-        best=$(best_lr results/lr_width_$1.json ${1}_d$d) || return 1
-        for i in "${!grid[@]}"; do [ "${grid[$i]}" = "$best" ] && break; done
-        out+=($(printf "$d:%s\n" "${grid[@]:$((i > 0 ? i - 1 : 0)):$((i > 0 ? 3 : 2))}"))
-    done
-    (IFS=,; echo "${out[*]}")
+near_best() {  # near_best ARM: "d:lr,..." at widths 64-256, every seed's best lr so far (lr_width_ARM
+    # and lr_width_seeds_ARM) and its neighbours on WIDTH_LRS: rerun until it stops growing, every
+    # seed's best is inside the lrs that ran
+    python - "$1" "$WIDTH_LRS" <<'PY'
+import json, os, sys
+arm, grid = sys.argv[1], [float(v) for v in sys.argv[2].split(",")]
+rows = [r for f in (f"results/lr_width_{arm}.json", f"results/lr_width_seeds_{arm}.json") if os.path.exists(f)
+        for r in json.load(open(f))["rows"]]
+out = []
+for d in (64, 128, 256):
+    best = {}  # seed -> (loss, lr)
+    for r in rows:
+        if r["config"]["model"]["d_model"] == d:
+            here = (r["eval"]["loss"]["summary"]["loss"], r["config"]["lr"])
+            best[r["seed"]] = min(best.get(r["seed"], here), here)
+    near = {i for _, lr in best.values() for i in (grid.index(lr) - 1, grid.index(lr), grid.index(lr) + 1)}
+    out += [f"{d}:{grid[i]!r}" for i in sorted(near) if 0 <= i < len(grid)]
+print(",".join(out))
+PY
 }
 
 scale_points() {  # scale_points ARM SEED|mean: N=loss per width, N the non-embedding parameters
@@ -199,11 +210,16 @@ lr_width)
             $(for d in 32 64 128 256; do echo --arm "${arm}_d$d=$file,model.d_model=$d"; done)
     done
     # 10b. Seeds 1 and 2 where the best lr is decided: at widths 64, 128 and 256 (the issue's; time
-    # left out 32), the seed-0 best and its grid neighbours (a zipped width:lr axis), one sweep per arm.
+    # left out 32), the seed-0 best and its grid neighbours (a zipped width:lr axis), then the
+    # neighbours of any seed's best outside those, one sweep per arm.
     for arm in recipe baseline; do
         file=$([ $arm = baseline ] && echo config/_baseline.py)
-        $SWEEP --name lr_width_seeds_$arm --arm "$arm=$file" --seeds 1,2 --set max_steps=96 --set warmup_steps=10 \
-            --grid model.d_model:lr=$(near_best $arm)
+        lrs=
+        while [ "$lrs" != "$(near_best $arm)" ]; do
+            lrs=$(near_best $arm)
+            $SWEEP --name lr_width_seeds_$arm --arm "$arm=$file" --seeds 1,2 --set max_steps=96 --set warmup_steps=10 \
+                --grid model.d_model:lr=$lrs
+        done
     done
     ;;
 report)
