@@ -204,21 +204,19 @@ lr_width)
     # width-independent, so its best lr should move less with width than γ=0.5's. Widths 32, 64,
     # 128, 256 (2 layers; 256 and lr 3e-4 ran a session later), one budget for all (96 steps), the
     # lr grid WIDTH_LRS, seed 0, one sweep per arm.
+    # 10b. Seeds 1 and 2 where the best lr is decided: at widths 64, 128 and 256 (the issue's; time
+    # left out 32), the seed-0 best and its grid neighbours (a zipped width:lr axis), then the
+    # neighbours of any seed's best outside those, until near_best stops growing.
     for arm in recipe baseline; do
         file=$([ $arm = baseline ] && echo config/_baseline.py)
         $SWEEP --name lr_width_$arm --grid lr=$WIDTH_LRS --set max_steps=96 --set warmup_steps=10 \
             $(for d in 32 64 128 256; do echo --arm "${arm}_d$d=$file,model.d_model=$d"; done)
-    done
-    # 10b. Seeds 1 and 2 where the best lr is decided: at widths 64, 128 and 256 (the issue's; time
-    # left out 32), the seed-0 best and its grid neighbours (a zipped width:lr axis), then the
-    # neighbours of any seed's best outside those, one sweep per arm.
-    for arm in recipe baseline; do
-        file=$([ $arm = baseline ] && echo config/_baseline.py)
-        lrs=
-        while [ "$lrs" != "$(near_best $arm)" ]; do
-            lrs=$(near_best $arm)
+        lrs= next=$(near_best $arm)
+        while [ "$lrs" != "$next" ]; do
+            lrs=$next
             $SWEEP --name lr_width_seeds_$arm --arm "$arm=$file" --seeds 1,2 --set max_steps=96 --set warmup_steps=10 \
                 --grid model.d_model:lr=$lrs
+            next=$(near_best $arm)
         done
     done
     ;;
