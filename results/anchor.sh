@@ -2,7 +2,7 @@
 # The anchor-task experiments of README "Results" (issue 9, item 6). Resumable like cpu_lm.sh:
 # every sweep skips its finished points. Each run is config/anchor_gamma1.py's (2 layers, d 64,
 # 4,680 steps, lr 1e-3) with the named changes; its held-out pair is scored by eval.py bench.
-#   bash results/anchor.sh [phase|robust|ablate|width_lr|report ...]   # default: all five; 3-8 min per run on one core
+#   bash results/anchor.sh [SECTION ...]   # default: every section of ALL below, in order; 3-8 min per run on one core
 #   VARIANTS="keyfirst keylast" bash results/anchor.sh robust   # some of the robustness variants
 set -uo pipefail  # no -e: a failed point (or sweep) must not stop the later sweeps
 cd "$(dirname "$0")/.."
@@ -12,7 +12,8 @@ anchor_data() {  # anchor_data NAME [prepare_data.py anchor options]: data/NAME,
     local out=data/$1; shift
     [ -f $out/meta.json ] || python prepare_data.py anchor --out $out "$@"
 }
-SECTIONS=${*:-phase robust ablate width_lr report}
+ALL="phase robust ablate width_lr report"
+SECTIONS=${*:-$ALL}
 SHARES=heldout_inferential,heldout_symmetric  # the held-out answer shares the reports plot and list by seed
 
 for section in $SECTIONS; do case $section in
@@ -68,5 +69,5 @@ report)
     python eval.py report results/anchor_width_lr.json --plot-x arm --plot-metric $SHARES \
         --per-seed $SHARES --out results/report_anchor_width_lr.md
     ;;
-*) echo "unknown section $section: phase, robust, ablate, width_lr or report" >&2; exit 2 ;;
+*) echo "unknown section $section: one of $ALL" >&2; exit 2 ;;
 esac; done
