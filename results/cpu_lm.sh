@@ -20,10 +20,10 @@ WIDTH_LRS=0.0003,$LRS  # extended down after the recipe's best at width 256 was 
 SWEEP="python sweep.py $BASE --jobs $JOBS"
 made() { [ -s "$1" ]; }  # an analysis whose output exists is not redone (the script is rerun to resume)
 
-best_lr() {  # best_lr RESULTS ARM [KEY=VALUE]: the lr of the lowest eval loss among the arm's rows (with that setting)
+best_lr() {  # best_lr RESULTS[,RESULTS...] ARM [KEY=VALUE]: the lr of the lowest eval loss among the arm's rows (with that setting)
     python - "$@" <<'PY'
 import json, sys
-path, arm = sys.argv[1], sys.argv[2]
+paths, arm = sys.argv[1].split(","), sys.argv[2]
 key, _, want = (sys.argv[3] if len(sys.argv) > 3 else "").partition("=")
 
 def value(row):  # a grid/arm setting, else the resolved config (dotted keys into its dicts)
@@ -34,7 +34,7 @@ def value(row):  # a grid/arm setting, else the resolved config (dotted keys int
         out = out[part]
     return out
 
-rows = [r for r in json.load(open(path))["rows"] if r["arm"] == arm and (not key or value(r) == float(want))]
+rows = [r for path in paths for r in json.load(open(path))["rows"] if r["arm"] == arm and (not key or value(r) == float(want))]
 print(min(rows, key=lambda r: r["eval"]["loss"]["summary"]["loss"])["setting"]["lr"])
 PY
 }
@@ -52,7 +52,7 @@ tuned_lrs() {  # R and B: the recipe's and the baseline's best lr of the lr sect
     R=$(best_lr results/lr_tune.json recipe) && B=$(best_lr results/lr_tune.json baseline)
 }
 
-near_best() {  # near_best ARM: "d:lr,..." at widths 64-256, every seed's best lr so far (lr_width_ARM
+near_best() {  # near_best ARM: "d:lr,..." at widths 32-256, every seed's best lr so far (lr_width_ARM
     # and lr_width_seeds_ARM) and its neighbours on WIDTH_LRS: rerun until it stops growing, every
     # seed's best is inside the lrs that ran
     python - "$1" "$WIDTH_LRS" <<'PY'
@@ -61,7 +61,7 @@ arm, grid = sys.argv[1], [float(v) for v in sys.argv[2].split(",")]
 rows = [r for f in (f"results/lr_width_{arm}.json", f"results/lr_width_seeds_{arm}.json") if os.path.exists(f)
         for r in json.load(open(f))["rows"]]
 out = []
-for d in (64, 128, 256):
+for d in (32, 64, 128, 256):
     best = {}  # seed -> (loss, lr)
     for r in rows:
         if r["config"]["model"]["d_model"] == d:
@@ -88,7 +88,7 @@ print(" ".join(f"{n}={statistics.mean(v)!r}" for n, v in sorted(by_n.items())))
 PY
 }
 
-ALL="lr settings layernorm gamma analyses budget wd scale moe lr_width report"
+ALL="lr settings layernorm gamma analyses budget wd scale moe lr_width lr_fine report"
 SECTIONS=${*:-$ALL}
 
 for section in $SECTIONS; do case $section in
@@ -204,8 +204,8 @@ lr_width)
     # width-independent, so its best lr should move less with width than γ=0.5's. Widths 32, 64,
     # 128, 256 (2 layers; 256 and lr 3e-4 ran a session later), one budget for all (96 steps), the
     # lr grid WIDTH_LRS, seed 0, one sweep per arm.
-    # 10b. Seeds 1 and 2 where the best lr is decided: at widths 64, 128 and 256 (the issue's; time
-    # left out 32), the seed-0 best and its grid neighbours (a zipped width:lr axis), then the
+    # 10b. Seeds 1 and 2 where the best lr is decided: at every width (32 ran a session after the
+    # others), the seed-0 best and its grid neighbours (a zipped width:lr axis), then the
     # neighbours of any seed's best outside those, until near_best stops growing.
     for arm in recipe baseline; do
         file=$([ $arm = baseline ] && echo config/_baseline.py)
@@ -219,6 +219,15 @@ lr_width)
             next=$(near_best $arm)
         done
     done
+    ;;
+lr_fine)
+    # 11. The lr section's grid at half steps (each a geometric midpoint, ~1.8x from its neighbours),
+    # both arms, seed 0: on the 3x grid the recipe's best (3e-3, 2.076) has 1e-2 close by (2.115),
+    # the baseline's (3e-2, 2.079) 1e-2 (2.086), so either best may lie between. Then 3 seeds at
+    # each arm's best over both grids: does the main comparison hold at the finer optimum?
+    $SWEEP --name lr_fine --arm recipe= --arm baseline=config/_baseline.py --grid lr=0.0017,0.0055,0.017,0.055 --seeds 0
+    $SWEEP --name lr_fine_seeds --seeds 0,1,2 --arm "recipe=,lr=$(best_lr results/lr_tune.json,results/lr_fine.json recipe)" \
+        --arm "baseline=config/_baseline.py,lr=$(best_lr results/lr_tune.json,results/lr_fine.json baseline)"
     ;;
 report)
     # The README tables and plots.
@@ -243,6 +252,9 @@ report)
     python eval.py report results/lr_width_seeds_recipe.json results/lr_width_seeds_baseline.json --per-seed loss \
         --out results/report_lr_width_seeds.md
     python eval.py report results/moe_lr.json results/moe.json --plot-x arm --out results/report_moe.md
+    python eval.py report results/lr_tune.json results/lr_fine.json --out results/report_lr_fine.md
+    python eval.py report results/lr_fine_seeds.json --out results/report_lr_fine_seeds.md \
+        --pair results/lr_fine_seeds.json:recipe results/lr_fine_seeds.json:baseline
     ;;
 *) echo "unknown section $section: one of $ALL" >&2; exit 2 ;;
 esac; done
