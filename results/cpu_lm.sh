@@ -17,6 +17,7 @@ BASE=config/cpu_lm.py
 LRS=0.001,0.003,0.01,0.03,0.1
 GAMMA_LRS=$LRS  # first run on 1e-3..3e-2 (time); extended to 1e-1 after γ<=0.75 had their best at 3e-2
 WIDTH_LRS=0.0003,$LRS  # extended down after the recipe's best at width 256 was the 1e-3 edge
+FINE_LRS=0.0017,0.0055,0.017,0.055  # LRS's geometric midpoints (lr_fine and gamma_fine)
 SWEEP="python sweep.py $BASE --jobs $JOBS"
 made() { [ -s "$1" ]; }  # an analysis whose output exists is not redone (the script is rerun to resume)
 
@@ -88,7 +89,7 @@ print(" ".join(f"{n}={statistics.mean(v)!r}" for n, v in sorted(by_n.items())))
 PY
 }
 
-ALL="lr settings layernorm gamma analyses budget wd scale moe lr_width lr_fine report"
+ALL="lr settings layernorm gamma analyses budget wd scale moe lr_width lr_fine gamma_fine settings_fine report"
 SECTIONS=${*:-$ALL}
 
 for section in $SECTIONS; do case $section in
@@ -224,10 +225,28 @@ lr_fine)
     # 11. The lr section's grid at half steps (each a geometric midpoint, ~1.8x from its neighbours),
     # both arms, seed 0: on the 3x grid the recipe's best (3e-3, 2.076) has 1e-2 close by (2.115),
     # the baseline's (3e-2, 2.079) 1e-2 (2.086), so either best may lie between. Then 3 seeds at
-    # each arm's best over both grids: does the main comparison hold at the finer optimum?
-    $SWEEP --name lr_fine --arm recipe= --arm baseline=config/_baseline.py --grid lr=0.0017,0.0055,0.017,0.055 --seeds 0
-    $SWEEP --name lr_fine_seeds --seeds 0,1,2 --arm "recipe=,lr=$(best_lr results/lr_tune.json,results/lr_fine.json recipe)" \
+    # each arm's best over both grids: does the main comparison hold at the finer optimum? Seeds
+    # 3-5 were added (a fixed 3 more, once) after seeds 0-2 put the recipe ahead on every seed with
+    # an interval that included 0.
+    $SWEEP --name lr_fine --arm recipe= --arm baseline=config/_baseline.py --grid lr=$FINE_LRS --seeds 0
+    $SWEEP --name lr_fine_seeds --seeds 0,1,2,3,4,5 --arm "recipe=,lr=$(best_lr results/lr_tune.json,results/lr_fine.json recipe)" \
         --arm "baseline=config/_baseline.py,lr=$(best_lr results/lr_tune.json,results/lr_fine.json baseline)"
+    ;;
+gamma_fine)
+    # 11b. The same half steps for γ=0.5 and 0.75, which beat γ=1 in the γ sweep, so γ=1 at its
+    # finer best meets them on the same grid (seed 0), then 3 seeds at each one's best over both grids.
+    $SWEEP --name gamma_fine --grid gamma=0.5,0.75 --grid lr=$FINE_LRS --seeds 0
+    $SWEEP --name gamma_fine_seeds --seeds 0,1,2 $(for g in 0.5 0.75; do
+        echo --arm "gamma$g=,gamma=$g,lr=$(best_lr results/gamma_lr.json,results/gamma_fine.json base gamma=$g)"; done)
+    ;;
+settings_fine)
+    # 11c. The two settings' arms at the recipe's finer best, 3 seeds; the recipe's own runs are
+    # lr_fine_seeds'.
+    R=$(best_lr results/lr_tune.json,results/lr_fine.json recipe)
+    $SWEEP --name settings_fine --eval loss,sink --seeds 0,1,2 \
+        --arm eps1e-5=,lr=$R,model.norm_eps=1e-5 \
+        --arm no_gate=,lr=$R,model.attn_gate=none \
+        --arm eps1e-5_no_gate=,lr=$R,model.norm_eps=1e-5,model.attn_gate=none
     ;;
 report)
     # The README tables and plots.
@@ -253,8 +272,13 @@ report)
         --out results/report_lr_width_seeds.md
     python eval.py report results/moe_lr.json results/moe.json --plot-x arm --out results/report_moe.md
     python eval.py report results/lr_tune.json results/lr_fine.json --out results/report_lr_fine.md
-    python eval.py report results/lr_fine_seeds.json --out results/report_lr_fine_seeds.md \
+    python eval.py report results/lr_fine_seeds.json --per-seed loss --out results/report_lr_fine_seeds.md \
         --pair results/lr_fine_seeds.json:recipe results/lr_fine_seeds.json:baseline
+    python eval.py report results/gamma_lr.json results/gamma_fine.json --out results/report_gamma_fine.md
+    python eval.py report results/gamma_fine_seeds.json --per-seed loss --out results/report_gamma_fine_seeds.md \
+        $(for g in 0.5 0.75; do echo --pair results/lr_fine_seeds.json:recipe results/gamma_fine_seeds.json:gamma$g; done)
+    python eval.py report results/settings_fine.json --per-seed loss --out results/report_settings_fine.md \
+        $(for a in eps1e-5 no_gate eps1e-5_no_gate; do echo --pair results/lr_fine_seeds.json:recipe results/settings_fine.json:$a; done)
     ;;
 *) echo "unknown section $section: one of $ALL" >&2; exit 2 ;;
 esac; done
