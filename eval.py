@@ -827,26 +827,40 @@ def rows_over_seeds(results, rows_of, key, columns):
     return out
 
 
+def sweep_plots(result, stem, args):
+    """The --plot-x plots of one sweep result at stem.png (stem_METRIC.png for a metric other than
+    the loss); returns the report's markdown lines for them."""
+    lines = []
+    for name in args.plot_metric.split(",") if args.plot_x else []:
+        plot = stem + ("" if name == "loss" else f"_{name}") + ".png"
+        if args.plot_y:
+            plot_sweep_heatmap(result, args.plot_x, args.plot_y, plot, name)
+        else:
+            plot_sweep(result, args.plot_x, plot, name)
+        lines += [f"![{result['name']}]({os.path.relpath(plot, os.path.dirname(os.path.abspath(args.out)))})", ""]
+    return lines
+
+
 def run_report(args):
     if args.plot_y and args.plot_x in (None, "arm"):
         raise ValueError("--plot-y draws a heatmap over two settings: give --plot-x a setting too (e.g. gamma)")
+    if args.plot_together and not args.plot_x:
+        raise ValueError("--plot-together draws the sweeps' rows in one plot: give --plot-x too (e.g. lr)")
     groups = {}
     for path in args.results:
         with open(path) as f:
             result = json.load(f)
         groups.setdefault(result["analysis"], []).append((path, result))
-    lines = []
-    for path, result in groups.pop("sweep", []):
+    lines, sweeps = [], groups.pop("sweep", [])
+    for path, result in sweeps:
         lines += [f"### sweep {result['name']} ({os.path.basename(path)}; {result['summary']['finished']} of "
                   f"{result['summary']['points']} points)", "", format_table(sweep_table(result, args.per_seed), markdown=True), ""]
-        for name in args.plot_metric.split(",") if args.plot_x else []:
-            # beside the results JSON; named by the metric unless it is the loss
-            plot = os.path.splitext(path)[0] + ("" if name == "loss" else f"_{name}") + ".png"
-            if args.plot_y:
-                plot_sweep_heatmap(result, args.plot_x, args.plot_y, plot, name)
-            else:
-                plot_sweep(result, args.plot_x, plot, name)
-            lines += [f"![{result['name']}]({os.path.relpath(plot, os.path.dirname(os.path.abspath(args.out)))})", ""]
+        if not args.plot_together:  # beside the results JSON
+            lines += sweep_plots(result, os.path.splitext(path)[0], args)
+    if args.plot_together:
+        # one plot over every sweep's rows: a grid and its later refinement, or arms from several sweeps
+        merged = {"name": " + ".join(r["name"] for _, r in sweeps), "rows": [row for _, r in sweeps for row in r["rows"]]}
+        lines += sweep_plots(merged, os.path.splitext(args.plot_together)[0], args)
     if args.pair:
         lines += ["### paired by seed (eval.py loss)", "", format_table(pair_table(args.pair), markdown=True), ""]
     for analysis, items in groups.items():
@@ -971,6 +985,8 @@ def build_parser():
                    help="sweeps: B - A by seed, each FILE.json:ARM[:KEY=VALUE...] (repeatable; across files too)")
     p.add_argument("--per-seed", type=lambda names: names.split(","), default=[], help="sweeps: these table columns also seed by seed (comma-separated, e.g. loss)")
     p.add_argument("--plot-y", help="sweeps: with --plot-x, a heatmap over the two settings (e.g. model.n_layer)")
+    p.add_argument("--plot-together", metavar="PNG", help="sweeps: one --plot-x plot over the rows of every sweep given, "
+                   "at this path, instead of one beside each results JSON")
     p.add_argument("--plot-metric", default="loss", help="sweeps: what --plot-x plots, comma-separated "
                    f"(loss, best_val_loss, sink_first, loss_<source>, {', '.join(ANCHOR_METRICS)})")
     p = command("sample", run_sample, "print continuations of a prompt", output=False)

@@ -258,10 +258,11 @@ report)
     python eval.py report results/budget.json --plot-x max_steps --out results/report_budget.md \
         $(for n in 32 96 640; do echo --pair results/budget.json:recipe:max_steps=$n results/budget.json:baseline:max_steps=$n; done)
     python eval.py report results/budget_lr.json --out results/report_budget_lr.md
-    python eval.py report results/budget_tuned.json --out results/report_budget_tuned.md \
+    python eval.py report results/budget_tuned.json --plot-x max_steps --out results/report_budget_tuned.md \
         $(for n in 32 96 640; do echo --pair results/budget_tuned.json:recipe_s$n results/budget_tuned.json:baseline_s$n; done)
     python eval.py report results/wd_lr.json results/wd.json --out results/report_wd.md \
         --pair results/gamma.json:gamma0.5 results/wd.json:recipe_wd1 --pair results/settings.json:recipe results/wd.json:recipe_wd1
+    python eval.py report results/gamma.json results/wd.json --plot-x arm --plot-together results/wd.png --out results/report_wd_arms.md
     python eval.py report results/scale_lr.json --out results/report_scale_lr.md
     python eval.py report results/scale.json --plot-x model.d_model --out results/report_scale.md \
         $(for d in 24 32 48; do echo --pair results/scale.json:recipe_d$d results/scale.json:baseline_d$d; done) \
@@ -271,13 +272,16 @@ report)
     python eval.py report results/lr_width_seeds_recipe.json results/lr_width_seeds_baseline.json --per-seed loss \
         --out results/report_lr_width_seeds.md
     python eval.py report results/moe_lr.json results/moe.json --plot-x arm --out results/report_moe.md
-    python eval.py report results/lr_tune.json results/lr_fine.json --out results/report_lr_fine.md
+    python eval.py report results/lr_tune.json results/lr_fine.json --plot-x lr --plot-together results/lr_fine.png \
+        --out results/report_lr_fine.md
     python eval.py report results/lr_fine_seeds.json --per-seed loss --out results/report_lr_fine_seeds.md \
         --pair results/lr_fine_seeds.json:recipe results/lr_fine_seeds.json:baseline
     python eval.py report results/gamma_lr.json results/gamma_fine.json --out results/report_gamma_fine.md
-    python eval.py report results/gamma_fine_seeds.json --per-seed loss --out results/report_gamma_fine_seeds.md \
+    python eval.py report results/gamma_fine_seeds.json results/lr_fine_seeds.json --per-seed loss --plot-x arm \
+        --plot-together results/gamma_fine_seeds.png --out results/report_gamma_fine_seeds.md \
         $(for g in 0.5 0.75; do echo --pair results/lr_fine_seeds.json:recipe results/gamma_fine_seeds.json:gamma$g; done)
-    python eval.py report results/settings_fine.json --per-seed loss --out results/report_settings_fine.md \
+    python eval.py report results/lr_fine_seeds.json results/settings_fine.json --per-seed loss --plot-x arm \
+        --plot-together results/settings_fine.png --out results/report_settings_fine.md \
         $(for a in eps1e-5 no_gate eps1e-5_no_gate; do echo --pair results/lr_fine_seeds.json:recipe results/settings_fine.json:$a; done)
     ;;
 *) echo "unknown section $section: one of $ALL" >&2; exit 2 ;;

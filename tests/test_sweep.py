@@ -167,7 +167,7 @@ def synthetic_result(losses_by_arm):
     rows = []
     for arm, losses in losses_by_arm.items():
         for seed, loss in enumerate(losses):
-            rows.append({"arm": arm, "arm_set": {}, "setting": {"lr": 0.01}, "seed": seed, "tokens": 100,
+            rows.append({"arm": arm, "arm_set": {}, "arm_configs": [], "setting": {"lr": 0.01}, "seed": seed, "tokens": 100,
                          "best_val_loss": loss + 1, "config": {"lr": 0.01, "model": {}, "model_size": "tiny"},
                          "eval": {"loss": {"summary": {"loss": loss}, "rows": [{"source": "en", "loss": 2 * loss}]}}})
     return {"analysis": "sweep", "name": "syn", "summary": {"points": len(rows), "finished": len(rows)}, "rows": rows}
@@ -224,6 +224,34 @@ def test_report_pairs_arms_across_files_by_seed(tmp_path, capsys):
                      "--pair", f"{tmp_path / 'one.json'}:a", selector])
         assert capsys.readouterr().err == f"error: --pair {selector}: {message}\n"
     assert not (tmp_path / "bad.md").exists()
+
+
+def test_report_plots_several_sweeps_together(tmp_path, monkeypatch, capsys):
+    """--plot-together: one plot over the rows of every sweep given (an lr grid and its later
+    refinement), drawn once at that path, and none beside each results JSON."""
+    grid, finer = synthetic_result({"a": [1.0], "b": [2.0]}), synthetic_result({"a": [0.5]})
+    finer["name"] = "finer"
+    for row in finer["rows"]:
+        row["setting"], row["config"]["lr"] = {"lr": 0.03}, 0.03
+    (tmp_path / "grid.json").write_text(json.dumps(grid))
+    (tmp_path / "finer.json").write_text(json.dumps(finer))
+    files = [str(tmp_path / "grid.json"), str(tmp_path / "finer.json")]
+    drawn = []
+    monkeypatch.setattr(ev, "plot_sweep", lambda result, x_key, path, name: drawn.append((result, x_key, path, name)))
+    ev.main(["report", *files, "--plot-x", "lr", "--plot-together", str(tmp_path / "both.png"), "--out", str(tmp_path / "r.md")])
+    assert [(r["name"], r["rows"], x_key, path, name) for r, x_key, path, name in drawn] == [
+        ("syn + finer", grid["rows"] + finer["rows"], "lr", str(tmp_path / "both.png"), "loss")]
+    assert "![syn + finer](both.png)" in (tmp_path / "r.md").read_text()
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        ev.main(["report", *files, "--plot-together", str(tmp_path / "both.png"), "--out", str(tmp_path / "r.md")])
+    assert capsys.readouterr().err == "error: --plot-together draws the sweeps' rows in one plot: give --plot-x too (e.g. lr)\n"
+    monkeypatch.undo()
+    if importlib.util.find_spec("matplotlib") is None:
+        pytest.skip("matplotlib is not installed: the plot is not drawn")
+    ev.main(["report", *files, "--plot-x", "lr", "--plot-together", str(tmp_path / "both.png"), "--out", str(tmp_path / "r.md")])
+    assert (tmp_path / "both.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "grid.png").exists() and not (tmp_path / "finer.png").exists()
 
 
 def test_report_of_an_anchor_sweep_by_hand(tmp_path, capsys):
