@@ -260,12 +260,14 @@ def test_tied_embeddings_are_drawn_once_and_stay_tied_after_a_meta_build():
     assert meta.num_params() == model.num_params()
 
 
+def torchrun_init_command(nproc, out_path):
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
+            "--rdzv-endpoint=localhost:0", os.path.join(ROOT, "tests", "dist_init_worker.py"), str(out_path)]
+
+
 def _torchrun_init(nproc, out_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                          "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
-                          os.path.join(ROOT, "tests", "dist_init_worker.py"), str(out_path)],
-                         env=env, capture_output=True, text=True)
+    run = subprocess.run(torchrun_init_command(nproc, out_path), env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True)
     assert run.returncode == 0, failure_text(run)
     return torch.load(out_path)
 

@@ -29,14 +29,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A tiny model and batch: each run is dominated by process start-up (~3 s).
 TINY = ["--model_size=tiny", "--seq_len=32", "--global_batch=4", "--batch_size=4", "--warmup_steps=2", "--lr=3e-3",
         "--log_interval=1", "--eval_interval=5", "--eval_batches=1"]
+# The MoE runs that 1 process and 2 ranks must agree on (bias-balanced routing: counts summed over ranks).
+MOE = [*TINY, "--max_steps=10", "--ckpt_interval=5", "--model={'n_experts': 4, 'top_k': 2, 'moe_bias_rate': 0.05}"]
 
 
 # ----------------------------------------------------------------------------- helpers
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
+def byte_dataset(root):
     """A byte-level dataset made by prepare_data.py from generated text (word salad with
-    structure, so a tiny model's loss falls fast)."""
-    root = tmp_path_factory.mktemp("data")
+    structure, so a tiny model's loss falls fast), in root/bytes (root: a pathlib.Path)."""
     rng = random.Random(0)
     words = "the cat sat on a mat and dog ran to big red house with small green tree".split()
     text = "\n\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(20, 60))) + "."
@@ -48,6 +48,11 @@ def data_dir(tmp_path_factory):
                     f"en={root / 'txt'}", "--tokenizer", "bytes"], cwd=ROOT, check=True,
                    capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return str(out)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return byte_dataset(tmp_path_factory.mktemp("data"))
 
 
 def command(args, nproc):
@@ -253,8 +258,7 @@ def moe_runs(data_dir, tmp_path_factory):
     of 1, 2 ranks x 1 x 2, and 2 ranks x 2 micro-batches of 1 with activation checkpointing."""
     root = tmp_path_factory.mktemp("moe")
     masked = masked_copy(data_dir, str(root / "masked"))
-    base = [*TINY, f"--data_dir={masked}", "--max_steps=10", "--ckpt_interval=5",
-            "--model={'n_experts': 4, 'top_k': 2, 'moe_bias_rate': 0.05}"]
+    base = [*MOE, f"--data_dir={masked}"]
     runs = {"1x4": (1, 4, []), "4x1": (1, 1, []), "fsdp2": (2, 2, []),
             "fsdp2_accum_ac": (2, 1, ["--model.activation_checkpointing=True"])}
     def train_run(name):
