@@ -56,12 +56,19 @@ def greedy_reference(model, idx, n, stop=None):
     return [row[:next((k for k in range(1, n + 1) if stop(row[:k])), n)] for row in rows]
 
 
+def launch_env(env=None):
+    """A train.py launch's environment: one intra-op thread per process (2 cores), and Python's
+    fault handler on, so a worker that aborts (SIGABRT) prints the Python stack it died in, or
+    "<no Python frame>" for an abort at interpreter shutdown, instead of torchrun's bare "Signal 6"."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
+
+
 def failure_text(proc):
     """A failed subprocess's output for an assertion message. A torchrun worker's own last words
-    (a C++ abort's "terminate called ... what(): ...", a Python error) come before torchrun's
-    ~2 kB failure summary, so a plain tail shows only that the worker died, not why: the lines
-    that name a failure come first, then the tail."""
+    (a C++ abort's "terminate called ... what(): ...", the fault handler's "Fatal Python error",
+    a Python error) come before torchrun's ~2 kB failure summary, so a plain tail shows only
+    that the worker died, not why: the lines that name a failure come first, then the tail."""
     said = (proc.stdout or "") + (proc.stderr or "")
     named = [line for line in said.splitlines()
-             if re.search(r"terminate called|what\(\)|Error|error:|Signal|Abort|exitcode|Timed out|reset by peer", line)]
+             if re.search(r"terminate called|what\(\)|Fatal Python error|Error|error:|Signal|Abort|exitcode|Timed out|reset by peer", line)]
     return "\n".join(named[-40:]) + "\n--- last 3000 characters ---\n" + said[-3000:]

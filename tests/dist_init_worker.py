@@ -13,9 +13,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 from model import GPT, GPTConfig, init_model_  # noqa: E402
 
 
-def main(out_path):
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
+def full_weights():
     # An odd vocabulary and 3 experts make dim-0 shards uneven across 2 ranks.
     models = {
         "dense": GPTConfig(vocab_size=257, n_layer=2, n_head=2, d_model=64),
@@ -32,9 +30,20 @@ def main(out_path):
         init_model_(model, gamma=1.0, seed=1234)
         for pname, p in model.named_parameters():
             gathered[f"{name}.{pname}"] = p.full_tensor().clone()
-    if dist.get_rank() == 0:
-        torch.save(gathered, out_path)
-    dist.destroy_process_group()
+    return gathered
+
+
+def main(out_path):
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    # Destroyed on every way out: a process that leaves gloo's worker threads running into
+    # interpreter shutdown can abort there (SIGABRT) instead of exiting with its own error.
+    try:
+        gathered = full_weights()
+        if dist.get_rank() == 0:
+            torch.save(gathered, out_path)
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """Fault injection for the suite's 2-rank gloo launches (issue: a one-off SIGABRT under load).
 
-    python tests/stress_distributed.py N {train,init}
+    python tests/stress_distributed.py N {train,init} [HOGS]
 
 Launches the 2-rank MoE training of tests/test_train.py (train) or tests/dist_init_worker.py
 (init) N times. While each runs, a thread stops one worker at random with SIGSTOP for 0.01-5 s
 and resumes it, every 0.05-1 s: a loaded machine's scheduling stalls, made frequent and
-repeatable. Prints one JSON line per launch and keeps the output of any failed launch (with
-its stall log) in its temporary folder. Not collected by pytest: it runs for minutes.
+repeatable. HOGS busy-looping processes (default 0) starve the workers of CPU all the while,
+as a second test suite on the same cores would. Prints one JSON line per launch and keeps the
+output of any failed launch (with its stall log) in its temporary folder. Not collected by pytest: it runs for minutes.
 """
 import json
 import os
@@ -20,6 +21,7 @@ import tempfile
 import threading
 import time
 
+from conftest import launch_env
 from test_init import torchrun_init_command  # run as a script, this folder is sys.path[0]
 from test_train import MOE, ROOT, byte_dataset, command
 
@@ -61,7 +63,7 @@ def main(n, mode):
                else command([*MOE, "--batch_size=2", f"--data_dir={data}", f"--out_dir={out}"], 2))
         start, log, done = time.time(), [], threading.Event()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                env=launch_env())
         staller = threading.Thread(target=stall_workers, args=(proc, done, random.Random(i), log))
         staller.start()
         said, _ = proc.communicate(timeout=900)
@@ -82,4 +84,10 @@ def main(n, mode):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2])
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(int(sys.argv[3]) if len(sys.argv) > 3 else 0)]
+    try:
+        main(int(sys.argv[1]), sys.argv[2])
+    finally:
+        for hog in hogs:
+            hog.kill()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import failure_text
+from conftest import failure_text, launch_env
 from init import gamma_init_, format_report
 from model import GPT, GPTConfig, init_model_
 
@@ -266,7 +266,7 @@ def torchrun_init_command(nproc, out_path):
 
 
 def _torchrun_init(nproc, out_path):
-    run = subprocess.run(torchrun_init_command(nproc, out_path), env={**os.environ, "OMP_NUM_THREADS": "1"},
+    run = subprocess.run(torchrun_init_command(nproc, out_path), env=launch_env(),
                          capture_output=True, text=True)
     assert run.returncode == 0, failure_text(run)
     return torch.load(out_path)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import train
-from conftest import failure_text
+from conftest import failure_text, launch_env
 from model import GPT, GPTConfig, init_model_
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,7 +64,7 @@ def command(args, nproc):
 
 def run_train(args, nproc=1, ok=True, env=None):
     p = subprocess.run(command(args, nproc), cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                       env=launch_env(env))
     if ok:
         assert p.returncode == 0, failure_text(p)
     return p
