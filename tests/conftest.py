@@ -57,9 +57,10 @@ def greedy_reference(model, idx, n, stop=None):
 
 
 def launch_env(env=None):
-    """A train.py launch's environment: one intra-op thread per process (2 cores), and Python's
-    fault handler on, so a worker that aborts (SIGABRT) prints the Python stack it died in, or
-    "<no Python frame>" for an abort at interpreter shutdown, instead of torchrun's bare "Signal 6"."""
+    """The environment of a launched script (train.py, torchrun, sweep.py, ...): one intra-op
+    thread per process (2 cores), and Python's fault handler on, so a process that aborts
+    (SIGABRT) prints the Python stack it died in, or "<no Python frame>" for an abort at
+    interpreter shutdown, instead of torchrun's bare "Signal 6"."""
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
 
 

@@ -7,7 +7,8 @@ Launches the 2-rank MoE training of tests/test_train.py (train) or tests/dist_in
 and resumes it, every 0.05-1 s: a loaded machine's scheduling stalls, made frequent and
 repeatable. HOGS busy-looping processes (default 0) starve the workers of CPU all the while,
 as a second test suite on the same cores would. Prints one JSON line per launch and keeps the
-output of any failed launch (with its stall log) in its temporary folder. Not collected by pytest: it runs for minutes.
+output of any failed launch (with its stall log) in its temporary folder. Not collected by
+pytest: it runs for minutes.
 """
 import json
 import os

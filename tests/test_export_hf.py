@@ -15,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="the HF export needs transformers (Makefile test install)")
 pytest.importorskip("safetensors", reason="the HF export needs safetensors (Makefile test install)")
 
+from conftest import launch_env  # noqa: E402
 from hf_export import export_hf  # noqa: E402
 from model import GPT, GPTConfig, init_model_  # noqa: E402
 from prepare_data import get_tokenizer  # noqa: E402
@@ -130,7 +131,7 @@ def test_auto_tokenizer_gives_the_run_ids(name, tmp_path):
 
 def run_export(*args):
     return subprocess.run([sys.executable, "train.py", "export", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          text=True, env=launch_env())
 
 
 def test_cli_writes_the_folder_and_refuses_a_foreign_one(tmp_path):

@@ -12,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from conftest import launch_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KIT = os.path.join(ROOT, "..", "shared", "data")
 
@@ -144,7 +146,7 @@ def lines_to_run(where):
 
 
 def run(line, cwd):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = launch_env({"PYTHONUNBUFFERED": "1"})
     line = re.sub(r"^python ", f"{sys.executable} ", line)
     proc = subprocess.run(line, shell=True, cwd=cwd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, f"{line}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"

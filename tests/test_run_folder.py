@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import train
+from conftest import launch_env
 from prepare_data import check_token_ids, data_fingerprint, load_meta
 from test_train import ROOT, TINY, command, data_dir, rows, run_train  # noqa: F401  (data_dir: the shared fixture)
 
@@ -96,7 +97,7 @@ def test_real_kills_while_saving_and_pruning_never_leave_a_damaged_ckpt(data_dir
     rng = np.random.default_rng(0)
     for kill in range(4):
         proc = subprocess.Popen(command([*args, f"--out_dir={out}"], 1), cwd=ROOT, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                stderr=subprocess.DEVNULL, env=launch_env())
         deadline = time.time() + 120
         while not glob.glob(os.path.join(out, "ckpt_*")) and time.time() < deadline:
             time.sleep(0.01)
@@ -138,7 +139,7 @@ def test_double_launch_exits_at_once_naming_the_holder(data_dir, tmp_path):  # n
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=100000", "--ckpt_interval=20",
             "--log_interval=1", "--warmup_steps=2"]
     first = subprocess.Popen(command(args, 1), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+                             env=launch_env())
     try:
         deadline = time.time() + 300
         while not glob.glob(os.path.join(out, "ckpt_*")) and time.time() < deadline:
@@ -298,7 +299,7 @@ def test_names_from_other_trainers_get_a_hint():
 def eval_error(path, *extra):
     """eval.py's error: its last stderr line, "error: ..." (progress lines may come before it)."""
     p = subprocess.run([sys.executable, "eval.py", "weights", str(path), *extra], cwd=ROOT, capture_output=True,
-                       text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       text=True, env=launch_env())
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("error: "), p.stderr[-3000:]

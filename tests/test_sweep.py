@@ -15,6 +15,7 @@ import pytest
 
 import eval as ev
 import sweep
+from conftest import launch_env
 from test_train import data_dir, rows  # noqa: F401  (data_dir: the shared byte-level dataset fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,7 +92,7 @@ def test_bad_input_is_one_line(argv, message):
 
 def run_sweep(args, cwd, **kw):
     return subprocess.run([sys.executable, os.path.join(ROOT, "sweep.py"), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}, **kw)
+                          text=True, timeout=600, env=launch_env(), **kw)
 
 
 def sweep_args(data, name, max_steps):
@@ -135,7 +136,7 @@ def test_sweep_rows_match_run_folders_and_second_call_runs_nothing(data_dir, tmp
 def test_killed_point_resumes_to_the_uninterrupted_result(data_dir, tmp_path):
     def start(name, **kw):
         return subprocess.Popen([sys.executable, os.path.join(ROOT, "sweep.py"), *sweep_args(data_dir, name, 8)],
-                                cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, **kw)
+                                cwd=tmp_path, env=launch_env(), **kw)
     # The uninterrupted reference runs side by side with the one that is killed (a core each).
     full = start("full", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -46,7 +46,7 @@ def byte_dataset(root):
     out = root / "bytes"
     subprocess.run([sys.executable, "prepare_data.py", "text", "--out", str(out), "--source",
                     f"en={root / 'txt'}", "--tokenizer", "bytes"], cwd=ROOT, check=True,
-                   capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                   capture_output=True, env=launch_env())
     return str(out)
 
 
@@ -330,7 +330,7 @@ def test_sigkill_and_resume_is_bitwise_exact(data_dir, tmp_path):
     run_train([*args, f"--out_dir={ref}"])
     out = str(tmp_path / "killed")
     proc = subprocess.Popen(command([*args, f"--out_dir={out}"], 1), cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            stderr=subprocess.DEVNULL, env=launch_env())
     deadline = time.time() + 120
     while not os.path.exists(os.path.join(out, "ckpt_00000020")) and time.time() < deadline:
         time.sleep(0.01)
