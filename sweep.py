@@ -17,6 +17,7 @@ by side), so a sweep never changes the code path a single `python train.py` take
 """
 
 import argparse
+import glob
 import itertools
 import json
 import os
@@ -176,6 +177,16 @@ def read_jsonl(path):
     return rows
 
 
+def trained_data_fingerprint(run_dir):
+    """The data fingerprint (prepare_data.data_fingerprint) that the run's last checkpoint
+    trained on: a result row names its data, so a rebuilt data set can be checked against it."""
+    ckpts = sorted(glob.glob(os.path.join(run_dir, "ckpt_*", "meta.json")))
+    if not ckpts:
+        return None
+    with open(ckpts[-1]) as f:
+        return json.load(f).get("data_fingerprint")
+
+
 def point_result(args, point, run_dir, wall_s, command):
     """The result row of a finished point, from its run folder."""
     with open(os.path.join(run_dir, "config.json")) as f:
@@ -194,7 +205,8 @@ def point_result(args, point, run_dir, wall_s, command):
             "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
             "final_val_loss": val_rows[-1]["val_loss"] if val_rows else None,
             "best_val_loss": min(r["val_loss"] for r in val_rows) if val_rows else None,
-            "eval": evals, "wall_s": wall_s, "machine": machine()}
+            "eval": evals, "data_fingerprint": trained_data_fingerprint(run_dir), "wall_s": wall_s,
+            "machine": machine()}
 
 
 def run_point(args, point, run_dir):

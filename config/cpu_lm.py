@@ -2,8 +2,8 @@
 # English + Chinese mixture of the offline kit, the paper's recipe (γ=1, ε=1e-12, elementwise
 # gate: the GPTConfig defaults). Include config/_baseline.py after it for the standard arm.
 #   python prepare_data.py text --out data/bi_bytes --tokenizer bytes --max-tokens 16M \
-#       --source en=../shared/data/corpus/en,weight=0.5 \
-#       --source zh=../shared/data/corpus/zh/four_classics,weight=0.5
+#       --source 'en=../shared/data/corpus/en/**/*.txt,weight=0.5' \
+#       --source 'zh=../shared/data/corpus/zh/four_classics/*.txt,weight=0.5'
 # 2 layers, d_model 64: 131k non-embedding parameters; 320 steps x 8,192 tokens = 2.6M tokens,
 # 20 tokens per non-embedding parameter, ~2 minutes on one core.
 out_dir = "out/cpu_lm"

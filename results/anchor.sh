@@ -12,7 +12,7 @@ anchor_data() {  # anchor_data NAME [prepare_data.py anchor options]: data/NAME,
     local out=data/$1; shift
     [ -f $out/meta.json ] || python prepare_data.py anchor --out $out "$@"
 }
-ALL="phase robust ablate width_lr report"
+ALL="phase robust ablate width_lr confirm report"
 SECTIONS=${*:-$ALL}
 SHARES=heldout_inferential,heldout_symmetric  # the held-out answer shares the reports plot and list by seed
 
@@ -57,6 +57,11 @@ width_lr)
     $SWEEP --name anchor_width_lr --seeds 0,1,2 \
         --arm recipe_lr3e-3=,lr=3e-3 --arm baseline_lr3e-3=config/_baseline.py,lr=3e-3 \
         --arm recipe_d128=,model.d_model=128 --arm baseline_d128=config/_baseline.py,model.d_model=128
+    ;;
+confirm)
+    # results/confirm.md, claim 7: the tuned task, both arms, seeds never run in the exploration.
+    anchor_data anchor
+    $SWEEP --name confirm_anchor --seeds 100,101,102,103,104,105 --arm recipe= --arm baseline=config/_baseline.py
     ;;
 report)
     python eval.py report results/anchor_phase.json --plot-x gamma --plot-y model.n_layer \

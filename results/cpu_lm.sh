@@ -7,7 +7,9 @@
 # The γ sweep's per-γ grid is 1e-3..1e-1 too. A sweep whose finished point was run with other
 # settings (e.g. a best lr that moved) stops with an error instead of reporting it.
 #   python prepare_data.py text --out data/bi_bytes --tokenizer bytes --max-tokens 16M \
-#       --source en=../shared/data/corpus/en,weight=0.5 --source zh=../shared/data/corpus/zh/four_classics,weight=0.5
+#       --source 'en=../shared/data/corpus/en/**/*.txt,weight=0.5' --source 'zh=../shared/data/corpus/zh/four_classics/*.txt,weight=0.5'
+# (globs, not folders: a folder goes through datasets' split inference, which reads only the files
+# whose names say "train"; of corpus/en that is one file of six.)
 #   bash results/cpu_lm.sh [SECTION ...]   # default: every section of ALL below, in order; ~2 min per point
 # Every section after lr reads the lr results it needs from results/*.json, so any one can be rerun.
 set -uo pipefail  # no -e: a failed point (or sweep) must not stop the later sweeps
@@ -93,7 +95,11 @@ print(" ".join(f"{n}={statistics.mean(v)!r}" for n, v in sorted(by_n.items())))
 PY
 }
 
-ALL="lr settings layernorm gamma analyses budget wd scale moe lr_width lr_fine gamma_fine settings_fine report"
+ALL="lr settings layernorm gamma analyses budget wd scale moe lr_width lr_fine gamma_fine settings_fine confirm report"
+# The confirmation runs of results/confirm.md: seeds never run in the exploration, every setting
+# fixed there (the lrs are typed, not re-chosen by best_lr), in the order the claims are listed.
+CONFIRM_SEEDS=100,101,102,103,104,105
+CONFIRM="lm tokens settings gamma moe budget"
 SECTIONS=${*:-$ALL}
 
 for section in $SECTIONS; do case $section in
@@ -251,6 +257,31 @@ settings_fine)
         --arm eps1e-5=,lr=$R,model.norm_eps=1e-5 \
         --arm no_gate=,lr=$R,model.attn_gate=none \
         --arm eps1e-5_no_gate=,lr=$R,model.norm_eps=1e-5,model.attn_gate=none
+    ;;
+confirm)
+    # results/confirm.md, claims 1-6 (CONFIRM_CLAIMS="lm tokens" picks some). Each sweep is results/confirm_<claim>.json.
+    for claim in ${CONFIRM_CLAIMS:-$CONFIRM}; do case $claim in
+    lm)  # 1. the main loss claim at each arm's best on the finer grid
+        $SWEEP --name confirm_lm --seeds $CONFIRM_SEEDS --arm recipe=,lr=0.0055 --arm baseline=config/_baseline.py,lr=0.017 ;;
+    tokens)  # 2. Δsym by difficulty bucket on claim 1's runs
+        mkdir -p results/confirm_tokens
+        for s in ${CONFIRM_SEEDS//,/ }; do
+            made results/confirm_tokens/seed$s.json || python eval.py tokens out/sweeps/confirm_lm/recipe-seed$s \
+                out/sweeps/confirm_lm/baseline-seed$s --tokens 262144 --json-out results/confirm_tokens/seed$s.json
+        done ;;
+    settings)  # 3. both settings off at the recipe's lr (the recipe's runs are claim 1's)
+        $SWEEP --name confirm_settings --eval loss,sink --seeds $CONFIRM_SEEDS \
+            --arm eps1e-5_no_gate=,lr=0.0055,model.norm_eps=1e-5,model.attn_gate=none ;;
+    gamma)  # 4. γ=0.5 and 0.75 at their finer bests (γ=1 is claim 1's recipe)
+        $SWEEP --name confirm_gamma --seeds $CONFIRM_SEEDS --arm gamma0.5=,gamma=0.5,lr=0.03 --arm gamma0.75=,gamma=0.75,lr=0.017 ;;
+    moe)  # 5. MoE, 4 experts top-2, both arms at their tuned lr
+        $SWEEP --name confirm_moe --seeds $CONFIRM_SEEDS --set model.n_experts=4 --set model.top_k=2 --set model.d_expert=96 \
+            --arm recipe=,lr=0.01 --arm baseline=config/_baseline.py,lr=0.01 ;;
+    budget)  # 6. 40 tokens per parameter, both arms at their lr retuned for it
+        $SWEEP --name confirm_budget --seeds $CONFIRM_SEEDS --set max_steps=640 --set warmup_steps=64 \
+            --arm recipe=,lr=0.01 --arm baseline=config/_baseline.py,lr=0.01 ;;
+    *) echo "unknown confirmation claim $claim: one of $CONFIRM" >&2; exit 2 ;;
+    esac; done
     ;;
 report)
     # The README tables and plots.

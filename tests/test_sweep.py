@@ -1,6 +1,7 @@
 """sweep.py: grid expansion, one-line errors, real 2-step sweeps (results rows against the run
 folders, a second call runs nothing, a killed point resumes to the uninterrupted result), and
 `eval.py report`'s aggregation against hand-computed means, stds and t-intervals."""
+import hashlib
 import importlib.util
 import json
 import math
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -101,6 +103,16 @@ def sweep_args(data, name, max_steps):
 
 
 @pytest.mark.slow
+def shards_digest(data_dir):
+    """The data fingerprint's definition, from the shard files' bytes (not meta.json's sha256s)."""
+    meta = json.loads((Path(data_dir) / "meta.json").read_text())
+    digest = hashlib.sha256()
+    for split, info in meta["splits"].items():
+        for name in info["shards"]:
+            digest.update(f"{split}/{name}:{hashlib.sha256((Path(data_dir) / name).read_bytes()).hexdigest()}\n".encode())
+    return digest.hexdigest()
+
+
 def test_sweep_rows_match_run_folders_and_second_call_runs_nothing(data_dir, tmp_path):
     args = sweep_args(data_dir, "lr", 2) + ["--grid", "lr=1e-3,1e-2", "--eval", "loss,sink", "--jobs", "2"]
     p = run_sweep(args, tmp_path)
@@ -119,6 +131,7 @@ def test_sweep_rows_match_run_folders_and_second_call_runs_nothing(data_dir, tmp
         assert row["eval"]["sink"]["summary"]["attn_gate"] == "elementwise"
         assert row["command"][:2] == ["python", "train.py"] and f"--lr={lr!r}" in row["command"]
         assert row["git_commit"] and row["machine"]["threads_per_point"] == 1
+        assert row["data_fingerprint"] == shards_digest(data_dir)
     assert result["rows"][0]["eval"]["loss"]["summary"]["loss"] != result["rows"][1]["eval"]["loss"]["summary"]["loss"]
     logs = {d: (tmp_path / "out" / "sweeps" / "lr" / d / "sweep.log").read_text() for d in os.listdir(tmp_path / "out" / "sweeps" / "lr")}
     again = run_sweep(args, tmp_path)
