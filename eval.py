@@ -616,6 +616,8 @@ def sweep_metrics(row):
         out["sink_first"] = evals["sink"]["summary"]["mean_share_first"]
     if "anchor" in evals:
         out.update((k, evals["anchor"]["summary"][k]) for k in ANCHOR_METRICS)
+        # composing minus copying: one number per run, > 0 when the held-out pair is mostly composed
+        out["heldout_margin"] = out["heldout_inferential"] - out["heldout_symmetric"]
     out["best_val_loss"] = row["best_val_loss"]
     return out
 
@@ -629,12 +631,12 @@ def metric(row, name):
     return metrics[name]
 
 
-def seed_deltas(reference, rows):
-    """{seed: loss - the reference's loss on that seed}. Paired by seed: a seed fixes the init
+def seed_deltas(reference, rows, name="loss"):
+    """{seed: the metric - the reference's on that seed}. Paired by seed: a seed fixes the init
     draw and the data order in every arm, so the per-seed difference removes the variance the
     arms share."""
-    ref = {r["seed"]: metric(r, "loss") for r in reference}
-    return {r["seed"]: metric(r, "loss") - ref[r["seed"]] for r in rows if r["seed"] in ref}
+    ref = {r["seed"]: metric(r, name) for r in reference}
+    return {r["seed"]: metric(r, name) - ref[r["seed"]] for r in rows if r["seed"] in ref}
 
 
 def format_delta(deltas):
@@ -668,12 +670,12 @@ def sweep_rows(selector):
     return rows
 
 
-def pair_table(pairs):
-    """--pair A B: B - A by seed across result files (e.g. one sweep's arm against another's),
-    every seed's difference shown, with how many seeds B is lower on."""
+def pair_table(pairs, name="loss"):
+    """--pair A B: B - A of the metric by seed across result files (e.g. one sweep's arm against
+    another's), every seed's difference shown, with how many seeds B is lower on."""
     lines = []
     for a, b in pairs:
-        deltas = seed_deltas(sweep_rows(a), sweep_rows(b))
+        deltas = seed_deltas(sweep_rows(a), sweep_rows(b), name)
         if not deltas:
             raise ValueError(f"--pair {a} {b}: no seed in common")
         lines.append({"a": a, "b": b, "b - a by seed": ", ".join(f"{s}: {d:+.4f}" for s, d in sorted(deltas.items())),
@@ -806,6 +808,7 @@ def seed_groups(items):
     groups = {}
     for path, result in items:
         name = re.sub(r"[-_]?seed\d+", "", os.path.splitext(os.path.basename(path))[0])
+        name = name or os.path.basename(os.path.dirname(os.path.abspath(path)))  # seedN.json: its folder names it
         groups.setdefault(name, []).append((path, result))
     return groups
 
@@ -821,8 +824,10 @@ def rows_over_seeds(results, rows_of, key, columns):
     for k, rows in by_key.items():
         line = {key: k, "seeds": len(rows)}
         for c in columns:
-            mean, std, _ = mean_interval([r[c] for r in rows if c in r])
+            mean, std, half = mean_interval([r[c] for r in rows if c in r])
             line[c] = f"{mean:.4f}" + ("" if std is None else f" ± {std:.4f}")
+            if c == columns[0] and half is not None:  # the comparison's own number: its 95% interval too
+                line[f"{c}_95ci"] = f"[{mean - half:+.4f}, {mean + half:+.4f}]"
         out.append(line)
     return out
 
@@ -862,7 +867,8 @@ def run_report(args):
         merged = {"name": " + ".join(r["name"] for _, r in sweeps), "rows": [row for _, r in sweeps for row in r["rows"]]}
         lines += sweep_plots(merged, os.path.splitext(args.plot_together)[0], args)
     if args.pair:
-        lines += ["### paired by seed (eval.py loss)", "", format_table(pair_table(args.pair), markdown=True), ""]
+        lines += [f"### paired by seed ({args.pair_metric})", "",
+                  format_table(pair_table(args.pair, args.pair_metric), markdown=True), ""]
     for analysis, items in groups.items():
         lines += [f"### {analysis}", "", format_table([{"file": os.path.basename(p), **r["summary"]} for p, r in items],
                                                       markdown=True), ""]
@@ -983,6 +989,8 @@ def build_parser():
     p.add_argument("--plot-x", help="sweeps: plot --plot-metric against this setting (gamma, lr, ...; 'arm': arms as categories) beside each results JSON")
     p.add_argument("--pair", nargs=2, action="append", default=[], metavar=("A", "B"),
                    help="sweeps: B - A by seed, each FILE.json:ARM[:KEY=VALUE...] (repeatable; across files too)")
+    p.add_argument("--pair-metric", default="loss", help="sweeps: the metric --pair compares (a --plot-metric name, "
+                   "or heldout_margin: the anchor's inferential minus symmetric share)")
     p.add_argument("--per-seed", type=lambda names: names.split(","), default=[], help="sweeps: these table columns also seed by seed (comma-separated, e.g. loss)")
     p.add_argument("--plot-y", help="sweeps: with --plot-x, a heatmap over the two settings (e.g. model.n_layer)")
     p.add_argument("--plot-together", metavar="PNG", help="sweeps: one --plot-x plot over the rows of every sweep given, "

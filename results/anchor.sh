@@ -12,11 +12,27 @@ anchor_data() {  # anchor_data NAME [prepare_data.py anchor options]: data/NAME,
     local out=data/$1; shift
     [ -f $out/meta.json ] || python prepare_data.py anchor --out $out "$@"
 }
-ALL="phase robust ablate width_lr confirm report"
+ALL="data phase robust ablate width_lr confirm report"
+all_anchor_data() {  # every data set of the sections below: the tuned task and the robustness variants
+    anchor_data anchor
+    anchor_data anchor_heldout24 --heldout 2,4 --mirror-shift -5
+    anchor_data anchor_heldout13 --heldout 1,3 --mirror-shift 8
+    anchor_data anchor_len15 --seq-len 15
+    anchor_data anchor_keyfirst --key-positions 0-0
+    anchor_data anchor_keylast --key-positions 6-6
+}
 SECTIONS=${*:-$ALL}
 SHARES=heldout_inferential,heldout_symmetric  # the held-out answer shares the reports plot and list by seed
 
 for section in $SECTIONS; do case $section in
+data)
+    # Generated from seed 0, so an existing folder is checked rather than rebuilt; any difference
+    # from results/data.json stops the script (exit 1).
+    all_anchor_data || exit 1
+    for name in anchor anchor_heldout24 anchor_heldout13 anchor_len15 anchor_keyfirst anchor_keylast; do
+        python results/data_check.py data/$name $name || exit 1
+    done
+    ;;
 phase)
     # Phase diagram: depth x γ with ε=1e-12 and the gate held (only γ and depth move), 2 seeds
     # (a seed is the init draw and the data order; the data set is data/anchor's seed 0).
@@ -29,11 +45,7 @@ robust)
     # the composites are 10, 6, 3, 2, -1, -3, -4, -7, -10, -16) and a longer sequence (15 inputs:
     # the key at any of 13 positions instead of 7), and the key at one fixed position: first
     # (6 fillers between the pair and the answer) or last (the pair right before the answer).
-    anchor_data anchor_heldout24 --heldout 2,4 --mirror-shift -5
-    anchor_data anchor_heldout13 --heldout 1,3 --mirror-shift 8
-    anchor_data anchor_len15 --seq-len 15
-    anchor_data anchor_keyfirst --key-positions 0-0
-    anchor_data anchor_keylast --key-positions 6-6
+    all_anchor_data
     for variant in ${VARIANTS:-heldout24 heldout13 len15 keyfirst keylast}; do
         extra=$([ $variant = len15 ] && echo "--set seq_len=15")
         $SWEEP --name anchor_$variant --arm recipe= --arm baseline=config/_baseline.py --seeds 0,1,2 \

@@ -6,10 +6,7 @@
 # recipe-vs-baseline grid spans 1e-3..1e-1: on 1e-3..3e-2 the baseline's best was the 3e-2 edge.
 # The γ sweep's per-γ grid is 1e-3..1e-1 too. A sweep whose finished point was run with other
 # settings (e.g. a best lr that moved) stops with an error instead of reporting it.
-#   python prepare_data.py text --out data/bi_bytes --tokenizer bytes --max-tokens 16M \
-#       --source 'en=../shared/data/corpus/en/**/*.txt,weight=0.5' --source 'zh=../shared/data/corpus/zh/four_classics/*.txt,weight=0.5'
-# (globs, not folders: a folder goes through datasets' split inference, which reads only the files
-# whose names say "train"; of corpus/en that is one file of six.)
+#   bash results/cpu_lm.sh data   # data/bi_bytes from the offline kit in ../shared/data, checked against results/data.json
 #   bash results/cpu_lm.sh [SECTION ...]   # default: every section of ALL below, in order; ~2 min per point
 # Every section after lr reads the lr results it needs from results/*.json, so any one can be rerun.
 set -uo pipefail  # no -e: a failed point (or sweep) must not stop the later sweeps
@@ -21,6 +18,10 @@ GAMMA_LRS=$LRS  # first run on 1e-3..3e-2 (time); extended to 1e-1 after γ<=0.7
 WIDTH_LRS=0.0003,$LRS  # extended down after the recipe's best at width 256 was the 1e-3 edge
 FINE_LRS=0.0017,0.0055,0.017,0.055  # LRS's geometric midpoints (lr_fine and gamma_fine)
 SWEEP="python sweep.py $BASE --jobs $JOBS"
+# The data: globs, not folders (a folder goes through datasets' split inference, which reads only
+# the files whose names say "train": of corpus/en, one file of six).
+BI_BYTES="--tokenizer bytes --max-tokens 16M --source en=../shared/data/corpus/en/**/*.txt,weight=0.5
+    --source zh=../shared/data/corpus/zh/four_classics/*.txt,weight=0.5"
 made() { [ -s "$1" ]; }  # an analysis whose output exists is not redone (the script is rerun to resume)
 
 best_lr() {  # best_lr RESULTS[,RESULTS...] ARM [KEY=VALUE]: the lr of the lowest eval loss among the arm's rows (with that setting)
@@ -95,7 +96,7 @@ print(" ".join(f"{n}={statistics.mean(v)!r}" for n, v in sorted(by_n.items())))
 PY
 }
 
-ALL="lr settings layernorm gamma analyses budget wd scale moe lr_width lr_fine gamma_fine settings_fine confirm report"
+ALL="data lr settings layernorm gamma analyses budget wd scale moe lr_width lr_fine gamma_fine settings_fine confirm report"
 # The confirmation runs of results/confirm.md: seeds never run in the exploration, every setting
 # fixed there (the lrs are typed, not re-chosen by best_lr), in the order the claims are listed.
 CONFIRM_SEEDS=100,101,102,103,104,105
@@ -103,6 +104,23 @@ CONFIRM="lm tokens settings gamma moe budget"
 SECTIONS=${*:-$ALL}
 
 for section in $SECTIONS; do case $section in
+data)
+    # Build the study's data afresh (a folder made earlier may predate a corpus change), check the
+    # corpus files and shards against results/data.json, then keep it as data/bi_bytes; an existing
+    # data/bi_bytes is checked, never replaced. Any difference stops the script (exit 1).
+    rebuild=data/.rebuild_bi_bytes
+    rm -rf $rebuild
+    set -f  # the globs are prepare_data.py's to expand
+    python prepare_data.py text --out $rebuild $BI_BYTES || exit 1
+    set +f
+    python results/data_check.py $rebuild bi_bytes || exit 1
+    if [ -e data/bi_bytes ]; then
+        rm -rf $rebuild
+        python results/data_check.py data/bi_bytes bi_bytes || exit 1
+    else
+        mv $rebuild data/bi_bytes
+    fi
+    ;;
 lr)
     # 1. lr tuning, both arms, one seed: the recipe (γ=1, ε=1e-12, gate) and the standard baseline.
     $SWEEP --name lr_tune --arm recipe= --arm baseline=config/_baseline.py --grid lr=$LRS --seeds 0

@@ -302,6 +302,24 @@ def test_report_of_an_anchor_sweep_by_hand(tmp_path, capsys):
     assert "phase_heldout_symmetric.png" in (tmp_path / "r.md").read_text()
 
 
+def test_report_pairs_anchor_arms_by_their_margin(tmp_path, capsys):
+    """--pair-metric heldout_margin: (inferential - symmetric) of B minus A's, seed by seed."""
+    def row(arm, seed, inferential, symmetric):
+        shares = {"seen_pair_acc": 1.0, "test_key_acc": 0.0, "heldout_inferential": inferential,
+                  "heldout_symmetric": symmetric, "heldout_other": 1 - inferential - symmetric}
+        return {"point": f"{arm}-seed{seed}", "arm": arm, "setting": {}, "seed": seed, "best_val_loss": 0.1,
+                "tokens": 10, "eval": {"anchor": {"summary": shares, "rows": None}}}
+    rows = [row("baseline", 0, 0.1, 0.6), row("baseline", 1, 0.0, 0.5), row("recipe", 0, 0.7, 0.0), row("recipe", 1, 0.4, 0.2)]
+    path = tmp_path / "anchor.json"
+    path.write_text(json.dumps({"analysis": "sweep", "name": "a", "summary": {"points": 4, "finished": 4}, "rows": rows}))
+    ev.main(["report", str(path), "--pair", f"{path}:baseline", f"{path}:recipe", "--pair-metric", "heldout_margin",
+             "--out", str(tmp_path / "r.md")])
+    text = (tmp_path / "r.md").read_text()
+    # seed 0: 0.7 - (0.1 - 0.6) = 1.2; seed 1: 0.2 - (-0.5) = 0.7; mean 0.95, std 0.3536, half 12.706 * 0.25
+    assert "### paired by seed (heldout_margin)" in text and "0: +1.2000, 1: +0.7000" in text
+    assert "+0.9500 ± 0.3536 [-2.2265, +4.1265]" in text
+
+
 def test_t_quantiles_against_numerical_integration():
     # P(T <= t) of Student's t with df degrees of freedom, by integrating its density (float64).
     for df, t in enumerate(ev.T_975, start=1):
@@ -320,6 +338,7 @@ def test_report_averages_token_buckets_over_seed_files(tmp_path):
     ev.main(["report", *sorted(str(p) for p in tmp_path.glob("*.json")), "--out", str(tmp_path / "r.md")])
     text = (tmp_path / "r.md").read_text()
     # bucket 0 of a_vs_b: 0.1 and 0.3 -> 0.2 ± 0.1414; c_vs_b is its own group, never mixed in
-    assert "tokens of a_vs_b over 2 seed file(s)" in text and "| 0 | 2 | 0.2000 ± 0.1414 |" in text
+    # its 95% interval: t(1 df) = 12.706, 12.706 * 0.1414 / sqrt(2) = 1.2706
+    assert "tokens of a_vs_b over 2 seed file(s)" in text and "| 0 | 2 | 0.2000 ± 0.1414 | [-1.0706, +1.4706] |" in text
     assert "| 1 | 2 | 0.3000 ± 0.0000 |" in text and "tokens of c_vs_b over 1 seed file(s)" in text
     assert "| 0 | 1 | 9.0000 |" in text
