@@ -54,60 +54,62 @@ from prepare_data import (TokenLoader, atomic_open, atomic_write_bytes, check_mo
                           data_fingerprint, read_json, write_json)
 
 # ----------------------------------------------------------------------------- defaults
+_IMPORTED = set(globals())  # the settings are the names assigned below, not every public name imported above
 # run folder and data
-out_dir = "out/run"
+out_dir = "out/run"             # the run folder: config.json, metrics.jsonl, ckpt_*
 data_dir = "data/bytes"         # a prepare_data.py output folder
 resume = True                   # continue from the newest complete checkpoint in out_dir
-# A resumed run must be the same experiment: a changed gamma, seed, data, schedule... is an
-# error naming each change, unless this is True (the changes are then logged in metrics.jsonl).
-allow_resume_changes = False
+allow_resume_changes = False    # a resumed run must be the same experiment: a changed gamma, seed,
+                                # data, schedule... is an error naming each change, unless this is
+                                # True (the changes are then logged in metrics.jsonl)
 seed = 0                        # init and data order
 # model: a named size from model.SIZES plus GPTConfig fields over it
-model_size = "tiny"
-model = {}                      # e.g. {"norm_eps": 1e-5, "attn_gate": "none"}
+model_size = "tiny"             # a key of model.SIZES
+model = {}                      # GPTConfig fields over the size, e.g. {"norm_eps": 1e-5, "attn_gate": "none"}
 gamma = 1.0                     # every weight ~ N(0, d_in^-2γ)
 init_overrides = {}             # {regex on parameter name: γ}, e.g. {r"^lm_head\.": 0.5} (a tied
                                 # head is tok_emb.weight: match r"^tok_emb\." instead)
 attn_backend = "auto"           # "auto": flex on CUDA, sdpa on CPU (Flex has no CPU backward)
 compile = False                 # torch.compile each block (~30 s on CPU, minutes at 1.5B)
 # batch: the global batch is fixed; grad_accum = global_batch / (batch_size * world_size)
-seq_len = 256
+seq_len = 256                   # tokens per sequence
 global_batch = 32               # sequences per optimizer step, all ranks together
 batch_size = 32                 # sequences per forward on one rank (micro-batch)
-max_steps = 1000
+max_steps = 1000                # optimizer steps
 # optimizer: AdamW with one parameter group per kind of parameter
-lr = 1e-3
-betas = (0.9, 0.95)
-adam_eps = 1e-8
+lr = 1e-3                       # peak learning rate, reached after warmup_steps
+betas = (0.9, 0.95)             # AdamW's moment decays
+adam_eps = 1e-8                 # AdamW's denominator floor
 weight_decay = {"matrix": 0.1, "embed": 0.0, "norm": 0.0}   # decoupled, times lr
 grad_clip = 1.0                 # max global grad norm; 0 disables clipping (norm still logged)
 schedule = "cosine"             # "cosine" | "wsd" (warmup-stable-decay)
-warmup_steps = 100
+warmup_steps = 100              # linear warmup from 0
 min_lr_ratio = 0.1              # final lr = lr * min_lr_ratio
 decay_frac = 0.2                # wsd: the last decay_frac of the steps decay linearly
 # logging, evaluation, checkpoints
-log_interval = 10
+log_interval = 10               # steps between log lines and metrics.jsonl rows (and after step 1)
 eval_interval = 200             # validation loss + weight-structure metrics
 eval_batches = 8                # global batches of the validation split per evaluation
 track_weights = ["layers.0.attn.wq.weight", "layers.0.mlp.w_up.weight",
                  "layers.{last}.attn.wq.weight", "layers.{last}.mlp.w_up.weight"]
-ckpt_interval = 500
+                                # matrices whose row cosine and stable rank each evaluation logs
+ckpt_interval = 500             # steps between checkpoints
 keep_last = 2                   # checkpoints kept, newest first ...
 keep_every = 0                  # ... plus every keep_every-th step forever (0: none)
-# ... plus these steps, saved and kept whatever the interval: the "condense then expand"
-# trajectory (eval.py weights) happens early, e.g. [0, 100, 300, 1000, 3000]; 0 is the init.
-keep_steps = []
+keep_steps = []                 # ... plus these steps, saved and kept whatever the interval: the
+                                # "condense then expand" trajectory (eval.py weights) happens early,
+                                # e.g. [0, 100, 300, 1000, 3000]; 0 is the init
 # live curves beside metrics.jsonl (rank 0): every field of its rows, optional packages
 tensorboard_dir = ""            # a torch.utils.tensorboard log folder ("": none)
 wandb_log = False               # Weights & Biases; WANDB_MODE=offline writes the run locally
-wandb_project = "smallinit"
+wandb_project = "smallinit"     # the W&B project
 wandb_run_name = ""             # "": the out_dir's name
 peak_flops = 0.0                # per device for MFU; 0: 989e12 on H100/H200, a measured fp32 peak on CPU
 dry_run = 0                     # N > 0: print the plan for N ranks and exit (no data, no GPU)
 debug_nan_step = 0              # test knob: poison the loss at this step (0: never)
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items()
-            if not k.startswith("_") and type(v) in (int, float, bool, str, list, tuple, dict)}
+            if k not in _IMPORTED and not k.startswith("_") and type(v) in (int, float, bool, str, list, tuple, dict)}
 SCHEDULES = ("cosine", "wsd")
 
 
@@ -115,6 +117,8 @@ def _check_type(key, value, default):
     want = type(default)
     if want is float and type(value) is int:
         return float(value)
+    if type(value) is float and not math.isfinite(value):  # 1e999 parses as inf: no setting means that
+        raise ValueError(f"config: {key}={value!r} is not a finite number")
     if type(value) is not want:
         raise ValueError(f"config: {key}={value!r} is a {type(value).__name__}, expected a "
                          f"{want.__name__} like the default {default!r}")
@@ -170,6 +174,28 @@ def parse_value(text):
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
         return text
+
+
+def usage():
+    """--help: how to call train.py, then every setting with its default and the comment beside it
+    in the defaults block above (read from this file, so the help is the code's own documentation)."""
+    with open(__file__) as f:
+        block = f.read().split("# " + "-" * 77 + " defaults\n")[1].split("\n# ---")[0]
+    lines = [__doc__.strip().split("\n\n")[0], "",
+             "usage: python train.py [CONFIG.py ...] [--key=value ...]",
+             "       torchrun --nproc_per_node=N train.py CONFIG.py [--key=value ...]",
+             "       python train.py export CKPT OUT [--format pt|hf]   (python train.py export --help)", "",
+             "Config files run in order over the defaults below, then --key=value (a Python literal, else a",
+             "string) and --key.item=value (one entry of a dict setting) override them. Settings, with defaults:"]
+    for line in block.splitlines():
+        name, eq, rest = line.partition(" = ")
+        if line.startswith("# "):  # a group of settings
+            lines += ["", line[2:]]
+        elif eq and name in DEFAULTS:
+            lines.append(f"  {name}={DEFAULTS[name]!r}  {rest.partition('#')[2].strip()}".rstrip())
+        elif line.lstrip().startswith("# "):  # a comment continued under its setting
+            lines[-1] += " " + line.strip()[2:]
+    return "\n".join(lines)
 
 
 def load_config(argv):
@@ -1007,6 +1033,7 @@ def train(cfg):
             last_ckpt = checkpoint_and_record()
             log0(f"saved {last_ckpt} (the init)")
     train_time, step_log, time_log = 0.0, step, 0.0  # training time only: no eval/checkpoints
+    step_start = step
     while step < cfg["max_steps"]:
         t0 = time.time()
         lr = lr_at(cfg, step)
@@ -1049,7 +1076,8 @@ def train(cfg):
         moe_counts = net.update_moe_bias(all_reduce=dist.all_reduce)
         step += 1
         train_time += time.time() - t0
-        if step % cfg["log_interval"] == 0 or step == cfg["max_steps"]:
+        first_line = step == step_start + 1  # a sign of life before log_interval steps (minutes on CPU)
+        if step % cfg["log_interval"] == 0 or step == cfg["max_steps"] or first_line:
             tps = tokens_step * (step - step_log) / (train_time - time_log)
             eta = eta_seconds(cfg, step, tokens_step / tps, spent)
             row = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": norm_val, "tokens_per_s": tps,
@@ -1061,9 +1089,11 @@ def train(cfg):
             mfu = f"{row['mfu']:.1%}" if peak else "n/a"
             moe = f" expert load max {load.max():.2f} aux {row['aux_loss']:.3g}" if moe_counts is not None else ""
             log0(f"step {step}/{cfg['max_steps']} loss {loss_val:.4f} lr {lr:.3g} grad norm {norm_val:.3g} "
-                 f"{tps:,.0f} tok/s mfu {mfu} mem {row['mem_gib']:.2f} GiB eta {eta / 60:.1f} min{moe}")
-            record(row)
-            step_log, time_log = step, train_time
+                 f"{tps:,.0f} tok/s mfu {mfu} mem {row['mem_gib']:.2f} GiB eta {eta / 60:.1f} min{moe}"
+                 + (" (first step: compile and warm-up included)" if first_line else ""))
+            if step % cfg["log_interval"] == 0 or step == cfg["max_steps"]:  # metrics.jsonl keeps its interval
+                record(row)
+                step_log, time_log = step, train_time
         if step % cfg["eval_interval"] == 0 or step == cfg["max_steps"]:
             evaluate_and_record()
         if step % cfg["ckpt_interval"] == 0 or step == cfg["max_steps"] or step in cfg["keep_steps"]:
@@ -1108,6 +1138,9 @@ def main(argv):
         else:
             from hf_export import export_hf  # transformers/safetensors only when asked for
             export_hf(a.ckpt, a.out, a.tokenizer_dir)
+        return
+    if "--help" in argv or "-h" in argv:
+        print(usage())
         return
     config = load_config(argv)
     if config["dry_run"]:

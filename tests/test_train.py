@@ -127,11 +127,28 @@ def test_config_defaults_files_and_overrides(tmp_path):
     (["--grad_clip=-1.0"], "grad_clip=-1.0 must be >= 0"),
     (["--keep_steps=[0, 5000]"], "keep_steps=[0, 5000] must be whole steps between 0 and max_steps"),
     (["no_such_config.py"], "no such config file"),
+    (["--lr=1e999"], "lr=inf is not a finite number"),
+    (["--peak_flops=1e999"], "peak_flops=inf is not a finite number"),
+    (["--ATTN_BACKENDS=['eager']"], "unknown key 'ATTN_BACKENDS'"),  # a module constant, not a setting
 ])
 def test_config_errors(args, message):
     with pytest.raises((ValueError, FileNotFoundError)) as e:
         train.load_config(args)
     assert message in str(e.value)
+
+
+def test_help_lists_every_setting_with_its_default():
+    for flag in ("--help", "-h"):
+        p = subprocess.run([sys.executable, "train.py", flag], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120, env=launch_env())
+        assert p.returncode == 0, failure_text(p)
+        lines = p.stdout.splitlines()
+        assert "usage: python train.py [CONFIG.py ...] [--key=value ...]" in lines and "export" in p.stdout
+        settings = [line.split("=")[0].strip() for line in lines if re.match(r"  \w+=", line)]
+        assert settings == list(train.DEFAULTS) and "ATTN_BACKENDS" not in settings
+        assert f"  max_steps={train.DEFAULTS['max_steps']!r}  optimizer steps" in lines
+        assert any(line.startswith(f"  gamma={train.DEFAULTS['gamma']!r}  every weight") for line in lines)
+        assert not p.stderr
 
 
 def test_config_file_errors_name_the_file_and_key(tmp_path):
@@ -200,6 +217,15 @@ def test_config_pairs_differ_only_in_the_recipe():
 
 # ----------------------------------------------------------------------------- training runs
 @pytest.mark.slow
+def test_first_log_line_comes_after_step_one(data_dir, tmp_path):
+    out = tmp_path / "run"
+    p = run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=3", "--log_interval=10",
+                   "--eval_interval=3", "--ckpt_interval=3"])
+    logged = [line.split()[1] for line in p.stdout.splitlines() if re.match(r"step \d+/", line)]
+    assert logged == ["1/3", "3/3"] and "(first step: compile and warm-up included)" in p.stdout
+    assert sorted(rows(out, "loss")) == [3]  # metrics.jsonl keeps log_interval's rows (and the last step)
+
+
 def test_loss_falls(data_dir, tmp_path):
     out = str(tmp_path / "run")
     run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=60", "--seq_len=64",
