@@ -30,9 +30,29 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from eval import data_dir_of, generate, token_logprobs, tokenizer_of
-from prepare_data import anchor_accuracy, anchor_answer_kinds, load_meta, progress_bar, read_records
+from model import generate, token_logprobs
+from prepare_data import anchor_accuracy, anchor_answer_kinds, get_tokenizer, load_meta, progress_bar, read_records
 from train import load_model
+
+# ----------------------------------------------------------------------------- a checkpoint's data and tokenizer
+# Here rather than in eval.py, which imports this file for `bench`: imports go one way.
+
+def tokenizer_of(info, tokenizer_dir=None):
+    """(encode, decode, eot_id) for the tokenizer the checkpoint's data was prepared with."""
+    enc = get_tokenizer(info["data_meta"]["tokenizer"], tokenizer_dir)
+    return enc.encode_ordinary, lambda ids: enc.decode(ids, errors="replace"), info["data_meta"]["eot_id"]
+
+
+def data_dir_of(args, info):
+    """--data, else the run's own data_dir: the folder the analyses read validation batches from."""
+    data = args.data or (info.get("config") or {}).get("data_dir")
+    if not data:
+        raise ValueError("no validation data: pass --data <folder written by prepare_data.py>")
+    if not os.path.isfile(os.path.join(data, "meta.json")):
+        raise FileNotFoundError(f"{data}/meta.json not found: pass --data <folder written by prepare_data.py>"
+                                + ("" if args.data else " (the run's data_dir is gone or was on another machine)"))
+    return data
+
 
 # ----------------------------------------------------------------------------- published sources
 

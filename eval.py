@@ -31,9 +31,11 @@ import sys
 import numpy as np
 import torch
 
-from model import (GPT, capture_attention, config_for, cosine_stats, document_ids, init_model_, row_cosines,
-                   stable_rank, trace_residual)
-from prepare_data import TokenLoader, atomic_write_bytes, get_tokenizer, load_meta, progress_bar, write_json
+import downstream
+from downstream import data_dir_of, tokenizer_of
+from model import (GPT, capture_attention, config_for, cosine_stats, document_ids, generate, init_model_, row_cosines,
+                   stable_rank, token_logprobs, trace_residual)
+from prepare_data import TokenLoader, atomic_write_bytes, load_meta, progress_bar, write_json
 from train import find_checkpoints, load_model, parse_value
 
 
@@ -81,36 +83,8 @@ def save_figure(fig, path):
 
 # ----------------------------------------------------------------------------- reading checkpoints and data
 # load_model (train.py) is the one checkpoint reader; every analysis below starts here.
-
-@torch.no_grad()
-def token_logprobs(model, x, y, chunk_elements=1 << 26):
-    """log p(y_t | x_≤t) per position (float32), 0 where y == −1 (masked).
-
-    The log-softmax is never materialised: per chunk of positions, the target's logit minus
-    the logsumexp, in float32, so the extra memory is one chunk of about chunk_elements
-    logits (256 MB) instead of fp32 copies of all (B, T, V) (~13 GB at V=100k, B=8, T=2048).
-    The model's own (B, T, V) logits stay: model.forward returns them whole."""
-    logits, _ = model(x)
-    B, T, V = logits.shape
-    step = max(1, chunk_elements // (B * V))
-    out = torch.empty(B, T, dtype=torch.float32, device=logits.device)
-    for s in range(0, T, step):
-        chunk = logits[:, s:s + step].float()
-        target = chunk.gather(2, y[:, s:s + step].clamp_min(0)[..., None]).squeeze(2)
-        out[:, s:s + step] = target - torch.logsumexp(chunk, dim=2)
-    return out * (y >= 0)
-
-
-def data_dir_of(args, info):
-    """--data, else the run's own data_dir: the folder the analyses read validation batches from."""
-    data = args.data or (info.get("config") or {}).get("data_dir")
-    if not data:
-        raise ValueError("no validation data: pass --data <folder written by prepare_data.py>")
-    if not os.path.isfile(os.path.join(data, "meta.json")):
-        raise FileNotFoundError(f"{data}/meta.json not found: pass --data <folder written by prepare_data.py>"
-                                + ("" if args.data else " (the run's data_dir is gone or was on another machine)"))
-    return data
-
+# token_logprobs and generate live in model.py, data_dir_of and tokenizer_of in downstream.py:
+# imports go one way, eval.py -> downstream.py -> model.py.
 
 def seq_len_of(wanted, info, max_seq_len):
     """wanted (--seq-len), else the length the run trained at, else the model's window; never
@@ -884,34 +858,6 @@ def run_report(args):
     return None
 
 
-# ----------------------------------------------------------------------------- generation (sample; downstream.py's bench)
-
-def tokenizer_of(info, tokenizer_dir=None):
-    """(encode, decode, eot_id) for the tokenizer the checkpoint's data was prepared with."""
-    enc = get_tokenizer(info["data_meta"]["tokenizer"], tokenizer_dir)
-    return enc.encode_ordinary, lambda ids: enc.decode(ids, errors="replace"), info["data_meta"]["eot_id"]
-
-
-def generate(model, prompt, max_new_tokens, num_samples=1, temperature=0.0, top_k=None, seed=0, stop=None):
-    """num_samples continuations of one prompt (token ids) by model.generate (KV cache). The
-    prompt loses its oldest tokens when it and the answer would not fit in max_seq_len.
-    stop(tokens) -> True ends a row; returns each row's new tokens."""
-    device = next(model.parameters()).device
-    max_new_tokens = min(max_new_tokens, model.cfg.max_seq_len - 1)
-    prompt = prompt[-(model.cfg.max_seq_len - max_new_tokens):]
-    idx = torch.tensor([prompt] * num_samples, device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    return model.generate(idx, max_new_tokens, temperature, top_k, gen, stop)
-
-
-def run_bench(args):
-    # The benchmarks live in downstream.py (HellaSwag, GSM8K, MATH-500 as lm-eval scores them,
-    # and the anchor task). It imports this file's loaders, so it is imported here, when the
-    # subcommand runs, not at the top (a cycle).
-    import downstream
-    return downstream.run_bench(args)
-
-
 # ----------------------------------------------------------------------------- sample
 
 def run_sample(args):
@@ -973,8 +919,9 @@ def build_parser():
     p.add_argument("--gamma", type=float, default=1.0)
     p.add_argument("--mlp", default="gelu")
     p.add_argument("--attn-gate", default="none")
-    p = command("bench", run_bench, "HellaSwag, GSM8K, MATH-500 (lm-eval's definitions) or the anchor task", data=True)
-    import downstream  # see run_bench
+    # The benchmarks' code and options live in downstream.py; bench is a subcommand here for the one CLI.
+    p = command("bench", downstream.run_bench, "HellaSwag, GSM8K, MATH-500 (lm-eval's definitions) or the anchor task",
+                data=True)
     downstream.add_arguments(p)
     p = command("scaling", run_scaling, "fit L(N) = a N^-α + c; effective size of compared runs", ckpt=False, plot=True,
                 runs_model=False)

@@ -615,6 +615,39 @@ def sample_next(logits, temperature=0.0, top_k=None, generator=None):
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
 
 
+# Decoding and scoring with a trained model (eval.py sample, loss, ...; downstream.py's benchmarks).
+
+def generate(model, prompt, max_new_tokens, num_samples=1, temperature=0.0, top_k=None, seed=0, stop=None):
+    """num_samples continuations of one prompt (token ids) by GPT.generate (KV cache). The
+    prompt loses its oldest tokens when it and the answer would not fit in max_seq_len.
+    stop(tokens) -> True ends a row; returns each row's new tokens."""
+    device = next(model.parameters()).device
+    max_new_tokens = min(max_new_tokens, model.cfg.max_seq_len - 1)
+    prompt = prompt[-(model.cfg.max_seq_len - max_new_tokens):]
+    idx = torch.tensor([prompt] * num_samples, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return model.generate(idx, max_new_tokens, temperature, top_k, gen, stop)
+
+
+@torch.no_grad()
+def token_logprobs(model, x, y, chunk_elements=1 << 26):
+    """log p(y_t | x_≤t) per position (float32), 0 where y == −1 (masked).
+
+    The log-softmax is never materialised: per chunk of positions, the target's logit minus
+    the logsumexp, in float32, so the extra memory is one chunk of about chunk_elements
+    logits (256 MB) instead of fp32 copies of all (B, T, V) (~13 GB at V=100k, B=8, T=2048).
+    The model's own (B, T, V) logits stay: model.forward returns them whole."""
+    logits, _ = model(x)
+    B, T, V = logits.shape
+    step = max(1, chunk_elements // (B * V))
+    out = torch.empty(B, T, dtype=torch.float32, device=logits.device)
+    for s in range(0, T, step):
+        chunk = logits[:, s:s + step].float()
+        target = chunk.gather(2, y[:, s:s + step].clamp_min(0)[..., None]).squeeze(2)
+        out[:, s:s + step] = target - torch.logsumexp(chunk, dim=2)
+    return out * (y >= 0)
+
+
 def init_model_(model, gamma=1.0, seed=0, overrides=None):
     """γ-initialise every parameter (see init.py) and reset the MoE buffers; returns the report.
     Identical weights for any world size, and valid after building on meta + to_empty()."""

@@ -1,5 +1,6 @@
 """downstream.py (`eval.py bench`): lm-eval's definitions, checked against lm-eval's own code where
 it is installed and against hand computations and brute-force forwards everywhere."""
+import ast
 import bz2
 import json
 import math
@@ -14,6 +15,7 @@ import torch
 
 import downstream as ds
 import eval as ev
+from conftest import launch_env
 from model import GPT, config_for, init_model_
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,6 +52,28 @@ def run_expecting_error(argv, capsys, *fragments):
     assert exit_info.value.code == 2 and err[-1].startswith("error: ")
     for fragment in fragments:
         assert fragment in err[-1]
+
+
+# ----------------------------------------------------------------------------- imports
+
+def test_imports_go_one_way_eval_then_downstream_then_model():
+    # A cycle only works while every module happens to be imported in one order: downstream.py
+    # imported first (a test, another script) would load eval.py half-initialised.
+    fresh = subprocess.run([sys.executable, "-c", "import sys, downstream; print(sorted({'eval', 'downstream'} & set(sys.modules)))"],
+                           cwd=ROOT, capture_output=True, text=True, env=launch_env())
+    assert fresh.returncode == 0 and fresh.stdout.strip() == "['downstream']", fresh.stdout + fresh.stderr
+    order = ["model", "downstream", "eval"]  # each may import only those before it
+    for name in order:
+        tree = ast.parse(open(os.path.join(ROOT, f"{name}.py"), encoding="utf-8").read())
+        for node in ast.walk(tree):
+            imported = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) else []
+            for module in set(imported) & set(order):
+                assert order.index(module) < order.index(name), f"{name}.py imports {module} (line {node.lineno})"
+        for func in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            lazy = {a.name for n in ast.walk(func) if isinstance(n, ast.Import) for a in n.names}
+            lazy |= {n.module for n in ast.walk(func) if isinstance(n, ast.ImportFrom)}
+            assert not lazy & set(order), f"{name}.py imports {lazy & set(order)} inside {func.name}()"
 
 
 # ----------------------------------------------------------------------------- HellaSwag

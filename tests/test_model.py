@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import built, greedy_reference, moe_cfg, tiny
+from conftest import built, greedy_reference, moe_cfg, tiny, tiny_model
 from init import gamma_init_
 from model import (GPT, SIZES, Attention, GPTConfig, LayerNorm, MoE, RMSNorm, apply_rope, capture_attention, config_for,
-                   document_ids, init_model_, rope_cos_sin, trace_residual)
+                   document_ids, generate, init_model_, rope_cos_sin, token_logprobs, trace_residual)
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -496,3 +496,29 @@ def test_sampling_follows_the_tempered_distribution_and_stop_ends_rows():
         assert row == full[:cut]
     with pytest.raises(ValueError, match="max_seq_len"):
         model.generate(idx, 40)
+
+
+def test_generate_crops_long_prompts_and_passes_stop_through():
+    model = built(GPTConfig(vocab_size=30, n_layer=1, n_head=2, d_model=32, max_seq_len=16))
+    prompt = list(range(1, 25))  # longer than max_seq_len
+    out = generate(model, prompt, 6)
+    # Reference: greedy on the last 10 prompt tokens (16 - 6 new).
+    assert out == greedy_reference(model, torch.tensor([prompt[-10:]]), 6)
+    stop_at = out[0][2]
+    assert generate(model, prompt, 6, stop=lambda toks: toks[-1] == stop_at)[0][-1] == stop_at
+    assert len(generate(model, prompt, 40)[0]) == 15  # capped to leave one prompt token
+
+
+def test_token_logprobs_in_chunks_match_float64_log_softmax():
+    model = tiny_model(seed=7)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 257, (3, 10), generator=g), torch.randint(0, 257, (3, 10), generator=g)
+    y[0, 2] = y[2, 9] = -1
+    with torch.no_grad():
+        ref = torch.log_softmax(model(x)[0].double(), -1).gather(2, y.clamp_min(0)[..., None]).squeeze(2)
+    ref = ref * (y >= 0)
+    # 3 rows x 257 logits x 3 positions per chunk: chunks of 3, 3, 3, 1 positions.
+    for chunk_elements in (3 * 257 * 3, 1 << 26):
+        got = token_logprobs(model, x, y, chunk_elements=chunk_elements)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+        assert got[0, 2] == 0 and got[2, 9] == 0
