@@ -465,6 +465,22 @@ def score_completion(task, convention, record, text, verifier):
     return correct, {"exact_match": answer}
 
 
+def check_exemplars_unscored(exemplars, records, args):
+    """An exemplar that is also a scored item hands the model its own answer in the prompt
+    (--fewshot-source given the test file makes its first --shots items free). Compared by
+    question text, whitespace collapsed, so a copy of the file under another name is caught."""
+    scored = {" ".join(r["question"].split()): n for n, r in enumerate(records)}
+    for i, (question, _) in enumerate(exemplars):
+        n = scored.get(" ".join(question.split()))
+        if n is None:
+            continue
+        if args.fewshot_source:
+            raise ValueError(f"--fewshot-source {args.fewshot_source}: exemplar {i} is also scored item {n} of --source "
+                             f"{args.source}; take the exemplars from the train split (gsm8k train.jsonl), not the test file")
+        raise ValueError(f"--source {args.source}: item {n} is exemplar {i} of the published prompt; drop it from "
+                         "--source (the published test sets hold none of them)")
+
+
 def generation_bench(model, tokenizer, args):
     encode, decode, eot_id = tokenizer
     convention = gsm8k_convention(args.fewshot_source, args.shots) if args.task == "gsm8k" else MINERVA
@@ -473,6 +489,7 @@ def generation_bench(model, tokenizer, args):
                          "drop them")
     verifier = math_verifier() if args.task == "math500" else None
     records = read_math_records(args.source, args.task)[:args.limit]
+    check_exemplars_unscored(convention["exemplars"], records, args)
     room, marker = model.cfg.max_seq_len - args.max_new_tokens, convention["stop"]
     rows, truncated = [], 0
     for n, record in enumerate(progress_bar(records, desc=args.task)):
@@ -551,7 +568,8 @@ def add_arguments(p):
                    help="cut prompts that do not fit the model from the left (counted); default: an error")
     p.add_argument("--shots", type=int, default=None,
                    help="gsm8k: exemplars (default 8 of the published set, 5 with --fewshot-source)")
-    p.add_argument("--fewshot-source", help="gsm8k: a jsonl of train records; its first --shots are the exemplars")
+    p.add_argument("--fewshot-source", help="gsm8k: a jsonl of train records; its first --shots are the exemplars "
+                   "(one that is also a scored --source item is refused)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None)

@@ -375,6 +375,31 @@ def test_gsm8k_with_train_exemplars_uses_lm_evals_plain_format(tmp_path):
     assert summary["strict_match"] == summary["flexible_match"] == 1.0 and "train.jsonl" in summary["convention"]
 
 
+def test_exemplars_that_are_scored_items_are_refused(tmp_path, capsys):
+    # --fewshot-source given the test file itself: items 0-4 would be scored with their own worked
+    # answers in the prompt. Compared by question text, so a copy under another name (here with
+    # its spaces doubled) is caught too.
+    records = [{"question": f"What is {i} plus {i}?", "answer": f"#### {2 * i}"} for i in range(6)]
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "copy.jsonl").write_text("".join(json.dumps({**r, "question": r["question"].replace(" ", "  ")}) + "\n"
+                                                 for r in records[3:]))
+    ckpt = export(tiny_model(), tmp_path / "m.pt")
+    test, copy = str(tmp_path / "test.jsonl"), str(tmp_path / "copy.jsonl")
+    run_expecting_error(["bench", ckpt, "--task", "gsm8k", "--source", test, "--fewshot-source", test], capsys,
+                        "exemplar 0 is also scored item 0", "train split")
+    run_expecting_error(["bench", ckpt, "--task", "gsm8k", "--source", test, "--fewshot-source", copy, "--shots", "2"],
+                        capsys, f"--fewshot-source {copy}: exemplar 0 is also scored item 3 of --source {test}")
+    # --limit 3 scores items 0-2 only, none of them an exemplar: it runs
+    summary, _ = ds.generation_bench(Scripted(lambda p: ["#### 0"]), BYTES, bench_args(
+        source=test, fewshot_source=copy, shots=2, limit=3))
+    assert summary["problems"] == 3 and summary["strict_match"] == pytest.approx(1 / 3)
+    # the published chain-of-thought exemplars are exemplars too
+    (tmp_path / "cot.jsonl").write_text(json.dumps(records[0]) + "\n" + json.dumps({"question": ds.GSM8K_COT[2][0],
+                                                                                    "answer": "#### 39"}) + "\n")
+    with pytest.raises(ValueError, match="item 1 is exemplar 2 of the published prompt"):
+        ds.generation_bench(Scripted(lambda p: ["#### 0"]), BYTES, bench_args(source=str(tmp_path / "cot.jsonl")))
+
+
 def test_gsm8k_scores_all_1319_test_problems():
     records = ds.read_math_records(kit_file("gsm8k", "test.jsonl"), "gsm8k")
     answer = {r["question"]: r["reference"] for r in records}
