@@ -46,7 +46,8 @@ def fmt(value):
         return "-"
     if isinstance(value, float):
         return f"{value:.4g}"
-    return str(value)
+    # One cell, one line: a raw newline (a bench completion's) would start a new table row.
+    return str(value).replace("\r", "\\r").replace("\n", "\\n")
 
 
 def format_table(rows, markdown=False):

@@ -286,6 +286,14 @@ def test_format_table_aligns_and_formats():
     assert text.splitlines() == [" a       b", " 1  0.1235", "22       -"]
 
 
+def test_table_cells_with_newlines_stay_on_their_row():
+    # bench's rows carry completions, which span lines: shown escaped, as the two characters \n
+    rows = [{"ref": "8", "completion": "4*2 = 8.\n\nQ:\r\n"}, {"ref": "7", "completion": "7"}]
+    lines = ev.format_table(rows).splitlines()
+    assert lines == ["ref" + " " * 10 + "completion", "  8  4*2 = 8.\\n\\nQ:\\r\\n", "  7" + " " * 19 + "7"]
+    assert ev.format_table(rows, markdown=True).splitlines()[2] == "| 8 | 4*2 = 8.\\n\\nQ:\\r\\n |"
+
+
 # ----------------------------------------------------------------------------- tiny checkpoints
 
 BYTES_META = {"tokenizer": "bytes", "vocab_size": 257, "eot_id": 256}
