@@ -536,7 +536,7 @@ def parse_count(text):
     scale = {"K": 10**3, "M": 10**6, "B": 10**9}.get(text[-1:].upper(), 1)
     try:
         return int(float(text[:-1] if scale > 1 else text) * scale)
-    except ValueError:
+    except (ValueError, OverflowError):  # 'inf' overflows int()
         raise ValueError(f"bad token count {text!r}: use a number with an optional K/M/B suffix, e.g. 500M") from None
 
 
@@ -556,6 +556,11 @@ def parse_source(spec):
             kwargs[key] = float(value) if key == "weight" else parse_count(value) if key == "max_tokens" else value
         except ValueError:
             raise ValueError(f"bad --source {spec!r}: {key}={value!r} is not a number") from None
+    # max_tokens=0 would read as "no cap", a weight of 0 or nan as a share of nothing
+    if kwargs.get("max_tokens", 1) < 1:
+        raise ValueError(f"bad --source {spec!r}: max_tokens must be >= 1 (leave it out for no cap)")
+    if not 0 < kwargs.get("weight", 1) < math.inf:
+        raise ValueError(f"bad --source {spec!r}: weight must be a positive number (a share of the mixture)")
     if kwargs.get("sample_by", "paragraph") not in ("paragraph", "document", "line"):
         raise ValueError(f"bad --source {spec!r}: sample_by is paragraph, document or line")
     if "encoding" in kwargs:
@@ -1163,6 +1168,38 @@ def parse_pair(text):
     return int(a), int(b)
 
 
+def at_least(low, parse=int):
+    """An argparse type: parse(text), refused below `low` before anything runs (--shard-tokens 0
+    would loop forever filling a shard of no tokens)."""
+    def check(text):
+        try:
+            value = parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer" if parse is int else str(e)) from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"got {text}, need {low} or more")
+        return value
+    return check
+
+
+def fraction(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in [0, 1) (0: no val split)")
+    return value
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (argparse puts its usage block first): the line names
+    the argument, and --help has the rest."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def add_text_arguments(p):
     p.add_argument("--source", action="append", required=True, metavar="NAME=PATH[,key=value...]",
                    help="a text source, repeatable. PATH: file, folder (hub layout or save_to_disk), glob or "
@@ -1175,19 +1212,22 @@ def add_text_arguments(p):
     # None: tiktoken downloads (or finds its cache); offline clusters point this at the published files
     p.add_argument("--tokenizer-dir", help="folder with the published tokenizer files (sha256 checked)")
     # None: take all local data the weights allow; hub sources need a budget
-    p.add_argument("--max-tokens", type=parse_count, help="total token budget of the mixture (e.g. 500M, 2B)")
+    p.add_argument("--max-tokens", type=at_least(1, parse_count),
+                   help="total token budget of the mixture (e.g. 500M, 2B)")
     # 2%: a stable val loss on a few-MB corpus; lower it for large corpora
-    p.add_argument("--val-fraction", type=float, default=0.02, help="share of each source's tokens held out by document")
-    p.add_argument("--seed", type=int, default=0, help="fixes document selection, val split and order")
+    p.add_argument("--val-fraction", type=fraction, default=0.02,
+                   help="share of each source's tokens held out by document (0: no val split)")
+    p.add_argument("--seed", type=at_least(0), default=0, help="fixes document selection, val split and order")
     # one tokenizer process per usable core: tokenization is CPU-bound
-    p.add_argument("--workers", type=int, default=usable_cores(), help="tokenizer processes")
+    p.add_argument("--workers", type=at_least(1), default=usable_cores(), help="tokenizer processes")
     # 100M tokens (200 MB as uint16): few files, each cheap to map, as in nanoGPT/llm.c FineWeb shards
-    p.add_argument("--shard-tokens", type=parse_count, default=100_000_000, help="tokens per shard file")
+    p.add_argument("--shard-tokens", type=at_least(1, parse_count), default=100_000_000,
+                   help="tokens per shard file")
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="\n\n".join(__doc__.strip().split("\n\n")[:2]),  # title + examples
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description="\n\n".join(__doc__.strip().split("\n\n")[:2]),  # title + examples
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
     p = commands.add_parser("text", help="tokenize text sources into shards")
@@ -1202,7 +1242,7 @@ def main(argv=None):
     p = commands.add_parser("anchor", help="generate the anchor-function task")
     d = AnchorTask()  # the defaults and their reasons live in the dataclass
     p.add_argument("--out", default="data/anchor", help="output folder (data/ is git-ignored)")
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help="input tokens per sequence")
+    p.add_argument("--seq-len", type=at_least(3), default=d.seq_len, help="input tokens per sequence (>= 3: key and pair)")
     p.add_argument("--keys", type=parse_range, default=d.keys, help="key range LO-HI, inclusive")
     p.add_argument("--fillers", type=parse_range, default=d.fillers, help="filler token range LO-HI")
     p.add_argument("--test-key-fraction", type=float, default=d.test_key_fraction, help="keys held out of training")
@@ -1210,9 +1250,9 @@ def main(argv=None):
     p.add_argument("--mirror-shift", type=int, default=d.mirror_shift, help="rule trained on the mirror pair B,A")
     p.add_argument("--key-positions", type=parse_range, default=d.key_positions,
                    help="positions LO-HI (0-based) the key may take, in every split (default: anywhere it fits)")
-    p.add_argument("--n-train", type=int, default=d.n_train, help="training records")
-    p.add_argument("--n-eval", type=int, default=d.n_eval, help="records per evaluation split")
-    p.add_argument("--seed", type=int, default=d.seed, help="same seed, same bytes")
+    p.add_argument("--n-train", type=at_least(1), default=d.n_train, help="training records")
+    p.add_argument("--n-eval", type=at_least(1), default=d.n_eval, help="records per evaluation split")
+    p.add_argument("--seed", type=at_least(0), default=d.seed, help="same seed, same bytes")
 
     args = parser.parse_args(argv)
     args.invocation = shlex.join(["python", "prepare_data.py", *(sys.argv[1:] if argv is None else argv)])

@@ -695,3 +695,36 @@ def test_bench_command_runs_and_reports(tmp_path, capsys):
     P.main(["bench", "--source", f"a={path}", "--tokenizer", "bytes", "--workers", "1"])
     out = capsys.readouterr().out
     assert "raw encode_ordinary_batch" in out and out.count("of raw") == 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shard-tokens", "0"], "argument --shard-tokens: got 0, need 1 or more"),  # looped forever before
+    (["--max-tokens", "0.4"], "argument --max-tokens: got 0.4, need 1 or more"),
+    (["--max-tokens", "inf"], "argument --max-tokens: bad token count 'inf'"),
+    (["--workers", "0"], "argument --workers: got 0, need 1 or more"),
+    (["--val-fraction", "1"], "argument --val-fraction: '1' is not a fraction in [0, 1)"),
+    (["--val-fraction", "-0.1"], "argument --val-fraction: '-0.1' is not a fraction in [0, 1)"),
+    (["--seed", "-1"], "argument --seed: got -1, need 0 or more"),
+    (["--source", "b=none.txt,max_tokens=0"], "max_tokens must be >= 1"),  # 0 read as "no cap" before
+    (["--source", "b=none.txt,weight=0"], "weight must be a positive number"),
+    (["--source", "b=none.txt,weight=nan"], "weight must be a positive number"),
+])
+def test_sizes_and_counts_are_checked_before_anything_runs(tmp_path, capsys, argv, message):
+    # the source does not exist: an argument that got through would fail later, naming the source
+    with pytest.raises(SystemExit) as e:
+        P.main(["text", "--out", str(tmp_path / "o"), "--source", f"a={tmp_path / 'none.txt'}", *argv])
+    said = str(e.value.code) if e.value.code not in (1, 2) else capsys.readouterr().err.strip()
+    assert said.startswith("error: ") and "\n" not in said and message in said, said
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv, message", [(["--n-train", "0"], "argument --n-train: got 0, need 1 or more"),
+                                           (["--n-eval", "0"], "argument --n-eval: got 0, need 1 or more"),
+                                           (["--seq-len", "2"], "argument --seq-len: got 2, need 3 or more"),
+                                           (["--seed", "-3"], "argument --seed: got -3, need 0 or more")])
+def test_anchor_sizes_are_checked_by_the_parser(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        P.main(["anchor", "--out", str(tmp_path / "a"), *argv])
+    assert e.value.code == 2
+    said = capsys.readouterr().err.strip()
+    assert said.startswith("error: ") and "\n" not in said and message in said, said
