@@ -126,6 +126,15 @@ def models_and_batches(args, ckpts, label, attn_backend=None):
 
 # ----------------------------------------------------------------------------- loss
 
+def perplexity(loss):
+    # A diverged run's loss is finite (~4,000) but e^loss is past the largest float: math.exp
+    # raises instead of saying inf.
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
 def run_loss(args):
     (model,), info, meta, seq_len, batches = models_and_batches(args, [args.ckpt], "loss")
     sources = meta["sources"]
@@ -135,12 +144,12 @@ def run_loss(args):
         keep = y >= 0
         total += torch.bincount(src[keep], weights=-logp[keep], minlength=len(sources))
         count += torch.bincount(src[keep], minlength=len(sources)).double()
-    rows = [{"source": s, "tokens": int(n), "loss": float(t / n), "ppl": math.exp(t / n)}
+    rows = [{"source": s, "tokens": int(n), "loss": float(t / n), "ppl": perplexity(t / n)}
             for s, t, n in zip(sources, total.tolist(), count.tolist()) if n > 0]
     loss = float(total.sum() / count.sum())
     params = model.num_params()
     params["nonembedding"] = params["total"] - params["embedding"]
-    summary = {"loss": loss, "ppl": math.exp(loss), "tokens": int(count.sum()), "split": args.split,
+    summary = {"loss": loss, "ppl": perplexity(loss), "tokens": int(count.sum()), "split": args.split,
                "seq_len": seq_len, "step": info.get("step"), **{f"params_{k}": v for k, v in params.items()}}
     return {"analysis": "loss", "ckpt": args.ckpt, "summary": summary, "rows": rows}
 

@@ -469,6 +469,26 @@ def test_loss_defaults_to_the_runs_seq_len_capped_at_max_seq_len(tmp_path, text_
     assert summary["seq_len"] == 24 and summary["tokens"] == 96
 
 
+def test_loss_of_a_diverged_checkpoint_has_infinite_perplexity(tmp_path, text_data, capsys):
+    # Diverged but finite: an lm_head 1e4 times too large gives losses in the thousands, whose
+    # e^loss is past the largest float (e^709.8).
+    model = tiny_model(seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e4)
+    out = tmp_path / "loss.json"
+    result = ev.main(["loss", export(model, tmp_path / "m.pt"), "--data", text_data, *DATA_ARGS, "--json-out", str(out)])
+    losses = []
+    for x, y, _ in val_batches_again(text_data, 4):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(x)[0].double(), -1).gather(2, y.clamp_min(0)[..., None]).squeeze(2)
+        losses += (-logp)[y >= 0].tolist()
+    assert 710 < result["summary"]["loss"] < math.inf
+    assert result["summary"]["loss"] == pytest.approx(np.mean(losses), rel=1e-4)
+    assert result["summary"]["ppl"] == math.inf and all(r["ppl"] == math.inf for r in result["rows"])
+    assert "inf" in capsys.readouterr().out.splitlines()[1].split()
+    assert json.loads(out.read_text())["summary"]["ppl"] is None  # standard JSON has no Infinity
+
+
 def run_expecting_error(argv, capsys, *fragments):
     with pytest.raises(SystemExit) as exit_info:
         ev.main(argv)
