@@ -592,6 +592,47 @@ def source_files(source):
     return files, builders.pop()
 
 
+def source_file_stats(source):
+    """[path, size, mtime_ns] of every local file the source's read depends on, by path: a
+    glob's files, or everything under a folder (its file names and README.md decide what
+    datasets reads, so an added file can change the split). Cheap (a stat per file, no
+    hashing), and what a cached or finished read is compared with. [] for a hub id: the hub's
+    files are not ours to stat."""
+    path = os.path.expanduser(source.path[3:] if source.path.startswith("hf:") else source.path)
+    if os.path.isdir(path):
+        files = []
+        for root, dirs, names in os.walk(path):
+            # datasets reads no hidden file and nothing under .cache/, .git/ or __pycache__/
+            dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
+            files += [os.path.join(root, n) for n in names if not n.startswith(".")]
+    elif source.path.startswith("hf:"):
+        return []
+    else:
+        files = [f for f in glob.glob(path, recursive=True) if os.path.isfile(f)]
+    return [[f, st.st_size, st.st_mtime_ns] for f in sorted(files) for st in [os.stat(f)]]
+
+
+def file_changes(was, now):
+    """Phrases naming each file that differs between two {source: source_file_stats} records."""
+    old = {(name, f): (size, mtime) for name, rows in was.items() for f, size, mtime in rows}
+    new = {(name, f): (size, mtime) for name, rows in now.items() for f, size, mtime in rows}
+    changes = []
+    for name, f in sorted(old.keys() | new.keys()):
+        if (name, f) not in new:
+            changes.append(f"{f} was removed")
+        elif (name, f) not in old:
+            changes.append(f"{f} was added")
+        elif old[name, f][0] != new[name, f][0]:
+            changes.append(f"{f} changed size ({old[name, f][0]:,} -> {new[name, f][0]:,} bytes)")
+        elif old[name, f] != new[name, f]:
+            changes.append(f"{f} was modified (same size, new mtime)")
+    return changes
+
+
+def one_change(changes):
+    return changes[0] + (f" (and {len(changes) - 1} more)" if len(changes) > 1 else "")
+
+
 def source_layout(source):
     """'hub' (hf:ID), 'saved' / 'saved_dict' (a save_to_disk Dataset / DatasetDict), 'folder'
     (the hub layout: splits from README.md configs or from file names) or 'files' (file, glob)."""
@@ -815,14 +856,20 @@ def tokenize_source(source, pool, workers, cache_dir, dtype, fingerprint):
     Returns (tokens memmap, document lengths, (tokens, seconds) since the first result, or
     None when reused).
     fingerprint["cap"] (None: no cap) stops the read once that many tokens are in.
-    A cache with a matching <name>.done.json is complete and reused (resume after a crash).
+    A cache with a matching <name>.done.json is complete and reused (resume after a crash):
+    fingerprint["files"] (source_file_stats) ties it to the files it was read from.
     """
     done = os.path.join(cache_dir, f"{source.name}.done.json")
     tokens_path = os.path.join(cache_dir, f"{source.name}.tokens.bin")
     lengths_path = os.path.join(cache_dir, f"{source.name}.lengths.npy")
     if os.path.exists(done):
         with open(done) as f:
-            same = json.load(f) == fingerprint
+            cached = json.load(f)
+        same = cached == fingerprint
+        # a marker without "files" predates them: it is not reused, and there is nothing to name
+        changes = file_changes({source.name: cached["files"]}, {source.name: fingerprint["files"]}) if "files" in cached else []
+        if changes and {**cached, "files": None} == {**fingerprint, "files": None}:
+            print(f"{source.name}: {one_change(changes)} since the interrupted run, tokenizing again", file=sys.stderr)
         if same and os.path.exists(tokens_path) and os.path.exists(lengths_path):
             tokens, lengths = np.memmap(tokens_path, dtype, "r"), np.load(lengths_path)
             # The marker vouches for the settings; the sizes vouch for the bytes (a cache
@@ -924,6 +971,7 @@ def prepare_text(args):
     enc = get_tokenizer(args.tokenizer, args.tokenizer_dir)
     settings = {"sources": [asdict(s) for s in sources], "tokenizer": args.tokenizer, "max_tokens": args.max_tokens,
                 "val_fraction": args.val_fraction, "seed": args.seed, "shard_tokens": args.shard_tokens}
+    files = {s.name: source_file_stats(s) for s in sources}  # before any read: a file changed during it is caught next time
     os.makedirs(args.out, exist_ok=True)
     if os.path.exists(os.path.join(args.out, "meta.json")) and not args.force:
         meta = load_meta(args.out)
@@ -941,7 +989,8 @@ def prepare_text(args):
     with multiprocessing.Pool(args.workers, init_worker, (args.tokenizer, args.tokenizer_dir)) as pool:
         for s, weight in zip(sources, normalized_weights(sources)):
             caps = [c for c in (s.max_tokens, args.max_tokens and int(round(weight * args.max_tokens))) if c]
-            fingerprint = {"source": asdict(s), "tokenizer": args.tokenizer, "cap": min(caps, default=None)}
+            fingerprint = {"source": asdict(s), "tokenizer": args.tokenizer, "cap": min(caps, default=None),
+                           "files": files[s.name]}
             *cache, steady = tokenize_source(s, pool, args.workers, cache_dir, dtype, fingerprint)
             caches.append(cache)
             timings.append(steady or (0, 0.0))

@@ -510,6 +510,47 @@ def test_truncated_tokenize_cache_is_not_trusted(tmp_path, monkeypatch, capsys):
         assert open(out / name, "rb").read() == open(tmp_path / "ref" / name, "rb").read()
 
 
+def replace_corpus(folder, docs, same_size_as=None):
+    """Rewrite folder/docs.jsonl with other documents: the way a corpus is refreshed in place."""
+    path = folder / "docs.jsonl"
+    before = os.stat(path)
+    write_jsonl(path, docs)
+    if same_size_as is not None:  # a same-size edit: only the modification time tells
+        assert os.path.getsize(path) == before.st_size
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+
+
+def same_docs_rot13(docs):
+    return ["".join(chr((ord(c) - 97 + 13) % 26 + 97) if "a" <= c <= "z" else c for c in d) for d in docs]
+
+
+@pytest.mark.parametrize("same_size", [False, True])
+def test_token_cache_of_changed_source_files_is_not_reused(tmp_path, monkeypatch, capsys, same_size):
+    """Killed after a source's tokens were cached, then the corpus is replaced: the rerun reads
+    the new files (the cache is keyed on each file's path, size and mtime), not the old tokens."""
+    (tmp_path / "corpus").mkdir()
+    old = random_docs(100, "abcdefgh", seed=5)
+    write_jsonl(tmp_path / "corpus" / "docs.jsonl", old)
+    src = f"a={tmp_path / 'corpus'}"
+    out = tmp_path / "out"
+    monkeypatch.setattr(P, "write_shard", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):  # dies after tokenizing: the cache and its marker exist
+        prepare(out, src, shard_tokens=1000)
+    monkeypatch.undo()
+    assert (out / "tokenize_cache" / "a.done.json").exists()
+    new = same_docs_rot13(old) if same_size else random_docs(80, "stuvwxyz", seed=6)
+    replace_corpus(tmp_path / "corpus", new, same_size_as=old if same_size else None)
+    capsys.readouterr()
+    meta = prepare(out, src, shard_tokens=1000)
+    err = capsys.readouterr().err
+    assert "reusing tokens" not in err
+    change = "was modified (same size, new mtime)" if same_size else "changed size"
+    assert f"a: {tmp_path / 'corpus' / 'docs.jsonl'} {change}" in err and "since the interrupted run, tokenizing again" in err
+    assert sorted(decoded_docs(out, "train") + decoded_docs(out, "val")) == sorted(new)
+    reference = prepare(tmp_path / "ref", src, shard_tokens=1000)
+    assert meta["splits"] == reference["splits"]
+
+
 def test_bad_source_option_values_name_the_source():
     with pytest.raises(ValueError, match="weight='abc' is not a number"):
         P.parse_source("en=corpus,weight=abc")
