@@ -21,6 +21,7 @@ A prompt longer than the model allows (max_seq_len, minus --max-new-tokens when 
 an error naming the sizes; --truncate left cuts its oldest tokens, as lm-eval does silently,
 and the summary counts how many items were cut.
 """
+import argparse
 import bz2
 import json
 import os
@@ -557,23 +558,35 @@ def anchor_scores(model, data_dir):
 
 # ----------------------------------------------------------------------------- command line (eval.py bench)
 
+def at_least(minimum):
+    """argparse type of a size or count flag: an int >= minimum, refused when the command line is
+    read (a batch size of 0 divides by zero later; a token budget of 0 reads a batch anyway)."""
+    def parse(text):
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
+        return value
+    parse.__name__ = "int"  # argparse's message for a non-number: "invalid int value: 'x'"
+    return parse
+
+
 def add_arguments(p):
     """The options of `eval.py bench` (its parser gives ckpt, --device, --seed, --json-out, --data)."""
     p.add_argument("--task", required=True, choices=["hellaswag", "gsm8k", "math500", "anchor"])
     p.add_argument("--source", default="hub", help="local file in its published format (gsm8k/math500 test.jsonl, "
                    "hellaswag_val.jsonl or hellaswag_val_full.txt.bz2), or 'hub' on a connected machine")
     p.add_argument("--tokenizer-dir", help="offline tokenizer files (prepare_data.py --tokenizer-dir)")
-    p.add_argument("--limit", type=int, default=None, help="score only the first N items")
+    p.add_argument("--limit", type=at_least(1), default=None, help="score only the first N items")
     p.add_argument("--truncate", choices=["left"], default=None,
                    help="cut prompts that do not fit the model from the left (counted); default: an error")
-    p.add_argument("--shots", type=int, default=None,
+    p.add_argument("--shots", type=at_least(0), default=None,
                    help="gsm8k: exemplars (default 8 of the published set, 5 with --fewshot-source)")
     p.add_argument("--fewshot-source", help="gsm8k: a jsonl of train records; its first --shots are the exemplars "
                    "(one that is also a scored --source item is refused)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=at_least(1), default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--num-samples", type=int, default=1, help=">1: mean accuracy and majority vote")
+    p.add_argument("--top-k", type=at_least(1), default=None)
+    p.add_argument("--num-samples", type=at_least(1), default=1, help=">1: mean accuracy and majority vote")
 
 
 def run_bench(args):

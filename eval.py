@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 import downstream
-from downstream import data_dir_of, tokenizer_of
+from downstream import at_least, data_dir_of, tokenizer_of
 from model import (GPT, capture_attention, config_for, cosine_stats, document_ids, generate, init_model_, row_cosines,
                    stable_rank, token_logprobs, trace_residual)
 from prepare_data import TokenLoader, atomic_write_bytes, load_meta, progress_bar, write_json
@@ -901,9 +901,9 @@ def build_parser():
         if data:
             p.add_argument("--data", help="data folder from prepare_data.py (default: the run's data_dir)")
             p.add_argument("--split", default="val")
-            p.add_argument("--tokens", type=int, default=65536, help="token budget")
-            p.add_argument("--batch-size", type=int, default=8)
-            p.add_argument("--seq-len", type=int, default=None,
+            p.add_argument("--tokens", type=at_least(1), default=65536, help="token budget")
+            p.add_argument("--batch-size", type=at_least(1), default=8)
+            p.add_argument("--seq-len", type=at_least(1), default=None,
                            help="default: the run's training seq_len, at most the model's max_seq_len")
         return p
 
@@ -911,20 +911,21 @@ def build_parser():
     p = command("tokens", run_tokens, "per-token Δsym of A over B by difficulty bucket", data=True, ckpt=False, plot=True)
     p.add_argument("ckpt_a")
     p.add_argument("ckpt_b")
-    p.add_argument("--buckets", type=int, default=10)
+    p.add_argument("--buckets", type=at_least(1), default=10)
     command("sink", run_sink, "attention share on the first token per layer/head", data=True)
     p = command("weights", run_weights, "stable rank and row cosine of every matrix", ckpt=False, plot=True,
                 runs_model=False)
     p.add_argument("ckpts", nargs="+", help="checkpoints or run folders; several -> trajectory")
     p.add_argument("--threshold", type=float, default=0.7)
-    p.add_argument("--max-rows", type=int, default=2048, help="row subsample for the cosine matrix")
+    p.add_argument("--max-rows", type=at_least(2), default=2048,
+                   help="row subsample for the cosine matrix (>= 2: cosines are between rows)")
     p.add_argument("--heatmap", help="PNG of the clustered row-cosine matrix of --heatmap-matrix")
     p.add_argument("--heatmap-matrix", default="layers.0.attn.wq.weight")
     p = command("residual", run_residual, "branch / residual RMS per layer, or its exponent at init",
                 data=True, ckpt=False)
     p.add_argument("ckpt", nargs="?")
     p.add_argument("--init", action="store_true", help="fresh models across --widths instead of a checkpoint")
-    p.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256, 512])
+    p.add_argument("--widths", type=at_least(1), nargs="+", default=[64, 128, 256, 512])
     p.add_argument("--size", default="tiny")
     p.add_argument("--gamma", type=float, default=1.0)
     p.add_argument("--mlp", default="gelu")
@@ -957,10 +958,10 @@ def build_parser():
     p = command("sample", run_sample, "print continuations of a prompt", output=False)
     p.add_argument("--tokenizer-dir", help="offline tokenizer files (prepare_data.py --tokenizer-dir)")
     p.add_argument("--prompt", default="\n")
-    p.add_argument("--max-new-tokens", type=int, default=100)
-    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=at_least(1), default=100)
+    p.add_argument("--num-samples", type=at_least(1), default=1)
     p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=200)
+    p.add_argument("--top-k", type=at_least(1), default=200)
     return parser
 
 

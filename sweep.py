@@ -27,6 +27,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
+from downstream import at_least  # eval.py's check of size and count flags
 from prepare_data import cpu_name, write_json
 from train import parse_value  # a grid value is read as train.py reads --key=value
 
@@ -260,7 +261,7 @@ def write_results(args, todo):
         "summary": {"points": len(todo), "finished": len(rows)}, "rows": rows})
 
 
-def main(argv=None):
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("base", help="base config file")
     p.add_argument("--grid", action="append", default=[], help="KEY=V1,V2,... (repeatable; the product is swept); "
@@ -271,14 +272,18 @@ def main(argv=None):
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE fixed for every point (repeatable)")
     p.add_argument("--name", required=True, help="sweep name: out/sweeps/<name>/, results/<name>.json")
     p.add_argument("--eval", default="loss", help="comma-separated eval.py analyses per point (loss, sink, anchor)")
-    p.add_argument("--eval-tokens", type=int, default=262144, help="validation tokens per evaluation")
-    p.add_argument("--jobs", type=int, default=1, help="points side by side, one thread each")
+    p.add_argument("--eval-tokens", type=at_least(1), default=262144, help="validation tokens per evaluation")
+    p.add_argument("--jobs", type=at_least(1), default=1, help="points side by side, one thread each")
     p.add_argument("--out-root", default="out/sweeps")
     p.add_argument("--results-dir", default="results")
     p.add_argument("--dry-run", action="store_true", help="list the points and their commands; run nothing")
     p.add_argument("--print-commands", action="store_true", help="one torchrun command per point (for a scheduler)")
-    p.add_argument("--nproc", type=int, default=8, help="--print-commands: GPUs per point")
-    args = p.parse_args(argv)
+    p.add_argument("--nproc", type=at_least(1), default=8, help="--print-commands: GPUs per point")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     try:
         args.seeds = [int(s) for s in args.seeds.split(",")]
         args.eval = [e for e in args.eval.split(",") if e]
@@ -287,8 +292,6 @@ def main(argv=None):
             raise ValueError(f"--eval {','.join(unknown)}: choose from {', '.join(EVALS)}")
         if not os.path.isfile(args.base):
             raise ValueError(f"no such base config {args.base!r}")
-        if args.jobs < 1:
-            raise ValueError(f"--jobs {args.jobs} must be >= 1")
         arms, grid = parse_arms(args.arm), parse_grid(args.grid)
         for s in args.set:
             parse_value_pair(s, "--set")

@@ -510,6 +510,28 @@ def test_bad_input_ends_in_one_line_naming_the_fix(tmp_path, text_data, capsys):
                         capsys, "irreducible")
 
 
+@pytest.mark.parametrize("argv", [
+    ["loss", "m.pt", "--batch-size", "0"], ["loss", "m.pt", "--tokens", "0"], ["sink", "m.pt", "--seq-len", "-3"],
+    ["tokens", "a.pt", "b.pt", "--buckets", "0"], ["weights", "a.pt", "--max-rows", "1"],
+    ["residual", "--init", "--widths", "0"], ["sample", "m.pt", "--max-new-tokens", "0"],
+    ["sample", "m.pt", "--num-samples", "0"], ["sample", "m.pt", "--top-k", "0"],
+    ["bench", "m.pt", "--task", "gsm8k", "--limit", "0"], ["bench", "m.pt", "--task", "gsm8k", "--shots", "-1"],
+    ["bench", "m.pt", "--task", "gsm8k", "--max-new-tokens", "0"], ["bench", "m.pt", "--task", "gsm8k", "--num-samples", "0"],
+    ["bench", "m.pt", "--task", "gsm8k", "--top-k", "0"],
+])
+def test_size_and_count_flags_are_refused_below_their_minimum_when_parsed(argv, capsys):
+    # --batch-size 0 divided by zero and --tokens 0 read a batch anyway; 0 shots is zero-shot, and
+    # a cosine needs two rows.
+    flag, bad = argv[-2:]
+    minimum = {"--shots": 0, "--max-rows": 2}.get(flag, 1)
+    args = ev.build_parser().parse_args(argv[:-1] + [str(minimum)])
+    assert getattr(args, flag[2:].replace("-", "_")) in (minimum, [minimum])
+    with pytest.raises(SystemExit) as exit_info:
+        ev.build_parser().parse_args(argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: argument {flag}: must be >= {minimum} (got {bad})")
+
+
 def test_tokens_compares_two_checkpoints_on_identical_tokens(tmp_path, text_data):
     a, b = tiny_model(gamma=1.0, seed=1), tiny_model(gamma=0.5, seed=2)
     result = ev.main(["tokens", export(a, tmp_path / "a.pt"), export(b, tmp_path / "b.pt"), "--data", text_data, *DATA_ARGS])

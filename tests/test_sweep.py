@@ -92,6 +92,14 @@ def test_bad_input_is_one_line(argv, message):
     assert str(e.value).startswith("error: ") and message in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("flag", ["--jobs", "--eval-tokens", "--nproc"])
+def test_count_flags_are_refused_below_one_when_parsed(flag, capsys):
+    assert getattr(sweep.build_parser().parse_args(["config/cpu_lm.py", "--name", "x", flag, "1"]), flag[2:].replace("-", "_")) == 1
+    with pytest.raises(SystemExit) as e:  # --dry-run: nothing would run even if the flag were let through
+        sweep.main(["config/cpu_lm.py", "--name", "x", "--dry-run", flag, "0"])
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(f"error: argument {flag}: must be >= 1 (got 0)")
+
+
 def run_sweep(args, cwd, **kw):
     return subprocess.run([sys.executable, os.path.join(ROOT, "sweep.py"), *args], cwd=cwd, capture_output=True,
                           text=True, timeout=600, env=launch_env(), **kw)
