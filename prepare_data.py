@@ -976,7 +976,15 @@ def prepare_text(args):
     if os.path.exists(os.path.join(args.out, "meta.json")) and not args.force:
         meta = load_meta(args.out)
         if meta.get("settings") == settings:
-            print(f"{args.out} is already prepared with these settings (--force rebuilds it)")
+            changes = file_changes(meta["source_files"], files) if "source_files" in meta else []
+            if not changes:
+                unrecorded = "" if "source_files" in meta else "; its source files were not recorded, so not compared"
+                print(f"{args.out} is already prepared with these settings (--force rebuilds it{unrecorded})")
+                return meta
+            if not args.keep_stale:
+                raise ValueError(f"{args.out} was prepared from other source files: {one_change(changes)}; "
+                                 f"--force rebuilds it from the files there now, --keep-stale keeps the old data")
+            print(f"{args.out}: keeping the data prepared before {one_change(changes)} (--keep-stale)")
             return meta
     clear_outputs(args.out)
     start = time.time()
@@ -1025,7 +1033,7 @@ def prepare_text(args):
         "tokenizer": args.tokenizer, "vocab_size": enc.n_vocab, "eot_id": enc.eot_token,
         "dtype": np.dtype(dtype).name, "sources": names,
         "weights": dict(zip(names, normalized_weights(sources).tolist())),
-        "source_stats": stats, "splits": splits, "settings": settings,
+        "source_stats": stats, "splits": splits, "settings": settings, "source_files": files,
         "throughput": {"tokenize_tok_per_s": sum(len(t) for t, _ in caches) / tokenize_seconds,
                        "tokenize_steady_tok_per_s": sum(n for n, _ in timings) / max(sum(s for _, s in timings), 1e-9),
                        "total_tok_per_s": total / seconds, "seconds": seconds, "workers": args.workers},
@@ -1283,6 +1291,8 @@ def main(argv=None):
     add_text_arguments(p)
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--force", action="store_true", help="rebuild even if the folder is complete with these settings")
+    p.add_argument("--keep-stale", action="store_true",
+                   help="keep a complete folder whose source files changed since it was prepared (default: refuse)")
 
     p = commands.add_parser("bench", help="pipeline throughput vs raw tiktoken (prints numbers)")
     add_text_arguments(p)

@@ -551,6 +551,48 @@ def test_token_cache_of_changed_source_files_is_not_reused(tmp_path, monkeypatch
     assert meta["splits"] == reference["splits"]
 
 
+@pytest.mark.parametrize("edit", ["modified", "added", "removed"])
+def test_finished_folder_whose_sources_changed_is_refused(tmp_path, capsys, edit):
+    """A complete folder records its sources' files; the same command after the corpus changed
+    refuses in one line naming the file, unless --keep-stale (keep) or --force (rebuild)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    old = random_docs(100, "abcdefgh", seed=5)
+    write_jsonl(corpus / "docs.jsonl", old)
+    write_jsonl(corpus / "more.jsonl", ["a second file"])
+    src = f"a={tmp_path / 'corpus' / '*'}"
+    out = tmp_path / "out"
+    first = prepare(out, src)
+    assert [row[0] for row in first["source_files"]["a"]] == [str(corpus / "docs.jsonl"), str(corpus / "more.jsonl")]
+    stat = os.stat(corpus / "docs.jsonl")
+    assert first["source_files"]["a"][0][1:] == [stat.st_size, stat.st_mtime_ns]
+    capsys.readouterr()
+    prepare(out, src)
+    assert "already prepared" in capsys.readouterr().out
+    docs = sorted(old + ["a second file"])
+    if edit == "modified":  # the same size: only the mtime tells
+        replace_corpus(corpus, same_docs_rot13(old), same_size_as=old)
+        named, docs = f"{corpus / 'docs.jsonl'} was modified (same size, new mtime)", sorted(same_docs_rot13(old) + ["a second file"])
+    elif edit == "added":
+        write_jsonl(corpus / "extra.jsonl", ["new"])
+        named, docs = f"{corpus / 'extra.jsonl'} was added", sorted(docs + ["new"])
+    else:
+        os.remove(corpus / "more.jsonl")
+        named, docs = f"{corpus / 'more.jsonl'} was removed", sorted(old)
+    message = one_line_error(out, src)
+    assert message == (f"error: {out} was prepared from other source files: {named}; --force rebuilds it from "
+                       f"the files there now, --keep-stale keeps the old data"), message
+    kept = prepare(out, src, keep_stale=True)
+    assert kept == first and f"{out}: keeping the data prepared before {named} (--keep-stale)" in capsys.readouterr().out
+    write_jsonl(corpus / "zzz.jsonl", ["last"])
+    assert f"{named} (and 1 more)" in one_line_error(out, src)  # the first change is named, the rest counted
+    rebuilt = prepare(out, src, force=True)
+    assert rebuilt["source_files"]["a"] == P.source_file_stats(P.parse_source(src))
+    assert sorted(decoded_docs(out, "train") + decoded_docs(out, "val")) == sorted(docs + ["last"])
+    prepare(out, src)
+    assert "already prepared" in capsys.readouterr().out
+
+
 def test_bad_source_option_values_name_the_source():
     with pytest.raises(ValueError, match="weight='abc' is not a number"):
         P.parse_source("en=corpus,weight=abc")
