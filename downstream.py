@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from model import generate, token_logprobs
-from prepare_data import anchor_accuracy, anchor_answer_kinds, get_tokenizer, load_meta, progress_bar, read_records
+from prepare_data import (anchor_accuracy, anchor_answer_kinds, check_model_vocab, get_tokenizer, load_meta, progress_bar,
+                          read_records)
 from train import load_model
 
 # ----------------------------------------------------------------------------- a checkpoint's data and tokenizer
@@ -53,6 +54,16 @@ def data_dir_of(args, info):
         raise FileNotFoundError(f"{data}/meta.json not found: pass --data <folder written by prepare_data.py>"
                                 + ("" if args.data else " (the run's data_dir is gone or was on another machine)"))
     return data
+
+
+def check_data_fits(data, model, info):
+    """train.py's check before it reads data (prepare_data.check_model_vocab), here before an
+    analysis does: a gpt2 model on byte data scores a silent, meaningless loss (~10.8), a byte
+    model on gpt2 data dies of an IndexError in the embedding."""
+    try:
+        check_model_vocab(load_meta(data), model.cfg.vocab_size, (info.get("data_meta") or {}).get("tokenizer"))
+    except ValueError as e:
+        raise ValueError(f"{data} does not fit checkpoint {info.get('path')}: {e}") from None
 
 
 # ----------------------------------------------------------------------------- published sources
@@ -592,7 +603,9 @@ def add_arguments(p):
 def run_bench(args):
     model, info = load_model(args.ckpt, args.device)
     if args.task == "anchor":
-        summary, rows = anchor_scores(model, data_dir_of(args, info))
+        data = data_dir_of(args, info)
+        check_data_fits(data, model, info)
+        summary, rows = anchor_scores(model, data)
     elif args.task == "hellaswag":
         items, context = read_hellaswag(args.source)
         items = items[:args.limit]

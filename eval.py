@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 import downstream
-from downstream import at_least, data_dir_of, tokenizer_of
+from downstream import at_least, check_data_fits, data_dir_of, tokenizer_of
 from model import (GPT, capture_attention, config_for, cosine_stats, document_ids, generate, init_model_, row_cosines,
                    stable_rank, token_logprobs, trace_residual)
 from prepare_data import TokenLoader, atomic_write_bytes, load_meta, progress_bar, write_json
@@ -118,9 +118,12 @@ def models_and_batches(args, ckpts, label, attn_backend=None):
     model accepts. Returns (models, info of the first, meta, seq_len, batches)."""
     loaded = [load_model(ckpt, args.device, attn_backend) for ckpt in ckpts]
     models, info = [model for model, _ in loaded], loaded[0][1]
+    data = data_dir_of(args, info)
+    for model, model_info in loaded:
+        check_data_fits(data, model, model_info)
     max_len = min(model.cfg.max_seq_len for model in models)
-    meta, seq_len, batches = val_batches(data_dir_of(args, info), args.split, args.batch_size,
-                                         seq_len_of(args.seq_len, info, max_len), args.tokens, args.seed, label)
+    meta, seq_len, batches = val_batches(data, args.split, args.batch_size, seq_len_of(args.seq_len, info, max_len),
+                                         args.tokens, args.seed, label)
     return models, info, meta, seq_len, batches
 
 

@@ -37,11 +37,11 @@ def tiny_model(seed=0, **overrides):
     return model.eval()
 
 
-def export(model, path, data_dir=None):
+def export(model, path, data_dir=None, data_meta=BYTES_META):
     """The consolidated layout of `train.py export`, written directly."""
     from dataclasses import asdict
     torch.save({"model": model.state_dict(), "model_config": asdict(model.cfg), "step": 0,
-                "config": {"data_dir": data_dir}, "data_meta": BYTES_META}, path)
+                "config": {"data_dir": data_dir}, "data_meta": data_meta}, path)
     return str(path)
 
 
@@ -512,6 +512,7 @@ class AnchorOracle(torch.nn.Module):
         super().__init__()
         self.rule, self.vocab = rule, vocab
         self.dummy = torch.nn.Parameter(torch.zeros(1))
+        self.cfg = SimpleNamespace(vocab_size=vocab)
 
     def forward(self, idx, targets=None):
         logits = torch.zeros(*idx.shape, self.vocab)
@@ -548,7 +549,8 @@ def test_bench_anchor_end_to_end(tmp_path, anchor_data):
     from prepare_data import load_meta, read_records
     meta = load_meta(anchor_data)
     model = tiny_model(vocab_size=meta["vocab_size"], eot_id=meta["eot_id"], max_seq_len=64)
-    result = ev.main(["bench", export(model, tmp_path / "a.pt", data_dir=anchor_data), "--task", "anchor"])
+    data_meta = {k: meta[k] for k in ("tokenizer", "vocab_size", "eot_id")}
+    result = ev.main(["bench", export(model, tmp_path / "a.pt", data_dir=anchor_data, data_meta=data_meta), "--task", "anchor"])
     held = result["rows"][-1]
     # By hand: the model's argmax answer on each held-out record, whose stored target is the
     # inferential answer x-10; the symmetric one is x-6, i.e. target + 4.
@@ -561,17 +563,26 @@ def test_bench_anchor_end_to_end(tmp_path, anchor_data):
     assert held["symmetric"] == pytest.approx((predicted == target + 4).double().mean().item())
 
 
+def test_bench_anchor_refuses_a_model_of_other_data(tmp_path, anchor_data, capsys):
+    # a byte-level model (vocab 257) would score the anchor records silently: train.py's check first
+    ckpt = export(tiny_model(), tmp_path / "b.pt", data_dir=anchor_data)
+    run_expecting_error(["bench", ckpt, "--task", "anchor"], capsys, f"{anchor_data} does not fit checkpoint {ckpt}",
+                        "tokenized with 'anchor'", "--tokenizer bytes")
+
+
 def test_bench_anchor_command_reports_a_correct_models_answers(tmp_path, anchor_data, monkeypatch):
     # The command line end to end (checkpoint -> scores -> table and JSON) on a model built to
     # answer: composite rule on the held-out pair, and the mirror pair's rule (symmetric).
     # load_model is replaced only because a hand-made rule is no GPT checkpoint; loading
     # itself is tested above.
+    from prepare_data import load_meta
+    meta = load_meta(anchor_data)
     shift = {1: 5, 2: 1, 3: -2, 4: -8}
     composite = lambda x, a, b: x + shift[a] + shift[b]
     trained = lambda x, a, b: x - 6 if (a, b) == (3, 4) else composite(x, a, b)
     symmetric = lambda x, a, b: x - 6 if (a, b) in ((3, 4), (4, 3)) else composite(x, a, b)
     for rule, inferential in ((trained, 1.0), (symmetric, 0.0)):
-        monkeypatch.setattr(ds, "load_model", lambda path, device: (AnchorOracle(rule), {"config": {}}))
+        monkeypatch.setattr(ds, "load_model", lambda path, device: (AnchorOracle(rule), {"config": {}, "data_meta": meta}))
         out = tmp_path / "anchor.json"
         result = ev.main(["bench", "unused.pt", "--task", "anchor", "--data", anchor_data, "--json-out", str(out)])
         val, test, held = result["rows"]

@@ -299,11 +299,11 @@ def test_table_cells_with_newlines_stay_on_their_row():
 BYTES_META = {"tokenizer": "bytes", "vocab_size": 257, "eot_id": 256}
 
 
-def export(model, path, step=0, data_dir=None, **config):
+def export(model, path, step=0, data_dir=None, data_meta=BYTES_META, **config):
     """The consolidated layout of `train.py export` (CONTRACT), written directly."""
     from dataclasses import asdict
     torch.save({"model": model.state_dict(), "model_config": asdict(model.cfg), "step": step,
-                "config": {"data_dir": data_dir, **config}, "data_meta": BYTES_META}, path)
+                "config": {"data_dir": data_dir, **config}, "data_meta": data_meta}, path)
     return str(path)
 
 
@@ -530,6 +530,28 @@ def test_size_and_count_flags_are_refused_below_their_minimum_when_parsed(argv, 
         ev.build_parser().parse_args(argv)
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: argument {flag}: must be >= {minimum} (got {bad})")
+
+
+def test_data_the_model_does_not_fit_is_refused_in_one_line(tmp_path, text_data, capsys):
+    # train.py's check (prepare_data.check_model_vocab) before any data is read. A gpt2 model on
+    # byte data scored a silent loss near ln(50304); a model whose vocab is smaller than the data's
+    # died of an IndexError in its embedding.
+    gpt2 = export(tiny_model(vocab_size=50304), tmp_path / "g.pt",
+                  data_meta={"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256})
+    byte = export(tiny_model(), tmp_path / "b.pt")
+    for command in ("loss", "sink", "residual"):
+        run_expecting_error([command, gpt2, "--data", text_data, *DATA_ARGS], capsys,
+                            f"{text_data} does not fit checkpoint {gpt2}", "tokenized with 'bytes'", "--tokenizer gpt2")
+    run_expecting_error(["tokens", byte, gpt2, "--data", text_data, *DATA_ARGS], capsys, f"checkpoint {gpt2}")
+    small = export(tiny_model(vocab_size=200), tmp_path / "s.pt")  # the data holds UTF-8 bytes >= 200
+    run_expecting_error(["loss", small, "--data", text_data, *DATA_ARGS], capsys, "vocab_size=200", "set vocab_size >= 257")
+    gpt2_data = tmp_path / "gpt2_data"  # byte shards under a meta.json that says gpt2
+    shutil.copytree(text_data, gpt2_data)
+    meta = json.loads((gpt2_data / "meta.json").read_text())
+    (gpt2_data / "meta.json").write_text(json.dumps({**meta, "tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256}))
+    run_expecting_error(["loss", byte, "--data", str(gpt2_data), *DATA_ARGS], capsys, "tokenized with 'gpt2'",
+                        "--tokenizer bytes")
+    assert ev.main(["loss", gpt2, "--data", str(gpt2_data), *DATA_ARGS])["summary"]["tokens"] == 512  # they fit
 
 
 def test_tokens_compares_two_checkpoints_on_identical_tokens(tmp_path, text_data):
