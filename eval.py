@@ -36,7 +36,8 @@ from downstream import at_least, check_data_fits, data_dir_of, tokenizer_of
 from model import (GPT, capture_attention, config_for, cosine_stats, document_ids, generate, init_model_, row_cosines,
                    stable_rank, token_logprobs, trace_residual)
 from prepare_data import TokenLoader, atomic_write_bytes, load_meta, progress_bar, write_json
-from train import find_checkpoints, load_model, parse_value
+from checkpoint import find_checkpoints, load_model
+from train import parse_value
 
 
 # ----------------------------------------------------------------------------- output helpers

@@ -17,7 +17,7 @@ import re
 import shutil
 
 from prepare_data import get_tokenizer
-from train import load_model
+from checkpoint import load_model
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 MODELING_FILE = "modeling_smallinit.py"

@@ -23,35 +23,29 @@ import builtins
 import copy
 import difflib
 import errno
-import fcntl
-import glob
 import importlib.util
 import json
 import math
 import os
 import re
 import resource
-import shutil
-import socket
 import sys
 import time
 import traceback
-import warnings
-import zipfile
-from dataclasses import asdict, fields
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from checkpoint import (RunDirError, all_finite, check_resumable, clear_leftovers, describe_changes, experiment_changes,
+                        export, load_checkpoint, load_error, lock_run_dir, save_checkpoint, scan_checkpoints, settings_to_record,
+                        truncate_metrics)
 from init import format_report
-from model import ATTN_BACKENDS, GPT, GPTConfig, config_for, cosine_stats, init_model_, row_cosines, stable_rank
-from prepare_data import (TokenLoader, atomic_open, atomic_write_bytes, check_model_vocab, check_token_ids, cpu_name,
-                          data_fingerprint, read_json, write_json)
+from model import ATTN_BACKENDS, GPT, config_for, cosine_stats, init_model_, row_cosines, stable_rank
+from prepare_data import TokenLoader, check_model_vocab, check_token_ids, cpu_name, data_fingerprint, read_json, write_json
 
 # ----------------------------------------------------------------------------- defaults
 _IMPORTED = set(globals())  # the settings are the names assigned below, not every public name imported above
@@ -99,6 +93,7 @@ keep_every = 0                  # ... plus every keep_every-th step forever (0: 
 keep_steps = []                 # ... plus these steps, saved and kept whatever the interval: the
                                 # "condense then expand" trajectory (eval.py weights) happens early,
                                 # e.g. [0, 100, 300, 1000, 3000]; 0 is the init
+verify_checkpoints = True       # resume checks every file's sha256 (about 1 s per GB); False skips it
 # live curves beside metrics.jsonl (rank 0): every field of its rows, optional packages
 tensorboard_dir = ""            # a torch.utils.tensorboard log folder ("": none)
 wandb_log = False               # Weights & Biases; WANDB_MODE=offline writes the run locally
@@ -384,328 +379,6 @@ def make_optimizer(net, cfg, device):
                              fused=device.type == "cuda")
 
 
-# ----------------------------------------------------------------------------- checkpoints
-# The checkpoint format, its writer and its one reader (eval.py and export load through
-# load_model). A checkpoint is a folder out_dir/ckpt_{step:08d} holding DCP's shards and
-# .metadata index (model + optimizer), one rng_rank{r}.pt per rank, and meta.json (config,
-# model_config, data_meta, step, world_size, the loader's data_state). It is written as tmp_...
-# and renamed only when every part is on disk.
-
-# Settings that may change between a checkpoint and its resumption: how the same model is run.
-RUNTIME_MODEL_FIELDS = {"attn_backend", "activation_checkpointing", "moe_impl"}
-
-
-class RunDirError(Exception):
-    """The run folder can't be used as asked: locked by another run, or a resume that would
-    change the experiment. One line naming the problem and the fix."""
-
-
-def checkpoint_problem(path):
-    """None if the checkpoint folder is complete, else what is wrong with it. Complete means
-    meta.json and DCP's .metadata parse, every byte range .metadata names is on disk, and each
-    rank that saved left its rng file: a folder pruned or copied halfway fails one of these."""
-    try:
-        meta = read_json(os.path.join(path, "meta.json"))
-    except FileNotFoundError:
-        return "no meta.json"
-    except (ValueError, UnicodeDecodeError) as e:
-        return f"meta.json is not valid JSON ({e})"
-    try:
-        index = dcp.FileSystemReader(path).read_metadata()
-    except FileNotFoundError:
-        return "no .metadata (DCP's index)"
-    except Exception as e:  # a truncated or foreign pickle: any unpickling error
-        return f".metadata is unreadable ({type(e).__name__})"
-    needed = {}
-    for item in index.storage_data.values():
-        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
-    for name, size in sorted(needed.items()):
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            return f"{name} is missing"
-        if os.path.getsize(file) < size:
-            return f"{name} is truncated ({os.path.getsize(file)} of {size} bytes)"
-    for r in range(meta.get("world_size", 1)):
-        if not os.path.isfile(os.path.join(path, f"rng_rank{r}.pt")):
-            return f"rng_rank{r}.pt is missing"
-    return None
-
-
-def scan_checkpoints(run_dir):
-    """(complete, damaged): a run's complete ckpt_* folders oldest first, and [(path, problem)]
-    for the others. A run killed while saving leaves a tmp_ folder and one killed while pruning
-    a deleting_ folder, never a ckpt_ one; damage after that (a disk error, a partial copy) is
-    caught by checkpoint_problem."""
-    complete, damaged = [], []
-    for path in sorted(glob.glob(os.path.join(run_dir, "ckpt_*"))):
-        problem = checkpoint_problem(path)
-        if problem:
-            damaged.append((path, problem))
-        else:
-            complete.append(path)
-    return complete, damaged
-
-
-def complete_checkpoints(run_dir):
-    return scan_checkpoints(run_dir)[0]
-
-
-def prune_checkpoint(path):
-    """Delete a checkpoint so that a kill at any moment leaves no half-deleted ckpt_ folder:
-    renamed out of the ckpt_* namespace first (atomic), then removed; train.py clears leftover
-    deleting_ folders at start."""
-    trash = os.path.join(os.path.dirname(path), "deleting_" + os.path.basename(path))
-    os.rename(path, trash)
-    shutil.rmtree(trash)
-
-
-def clear_leftovers(run_dir):
-    """tmp_ckpt_* (killed while saving) and deleting_ckpt_* (killed while pruning). Only ever
-    called under the run folder's lock: another run's tmp_ folder is its checkpoint in progress."""
-    for stale in glob.glob(os.path.join(run_dir, "tmp_ckpt_*")) + glob.glob(os.path.join(run_dir, "deleting_ckpt_*")):
-        shutil.rmtree(stale)
-
-
-def lock_run_dir(run_dir):
-    """An exclusive OS lock on run_dir/train.lock, held for the life of this process and released
-    by the kernel when it dies (no stale lock after a crash or SIGKILL). The file says who holds
-    it, for the error a second launch gets."""
-    path = os.path.join(run_dir, "train.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 512).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise RunDirError(f"{run_dir} is in use by {holder}: wait for that run to end (or stop it), "
-                          f"or choose another out_dir") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"train.py pid {os.getpid()} on host {socket.gethostname()} "
-                 f"(since {time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode())
-    return fd
-
-
-def all_finite(net, opt):
-    """True on every rank iff every parameter and optimizer-state tensor is finite: one fused
-    max-abs per tensor list (local shards), one all-reduce. A NaN written by an update whose loss
-    and gradient were finite (e.g. 0/0 in Adam) would otherwise be checkpointed as good."""
-    local = [t.to_local() if isinstance(t, DTensor) else t
-             for t in [*net.parameters(), *(v for st in opt.state.values() for v in st.values())]
-             if torch.is_tensor(t) and t.is_floating_point()]
-    local = [t.detach() for t in local if t.numel()]
-    bad = torch.zeros((), device=next(net.parameters()).device)
-    if local:
-        bad = (~torch.stack(torch._foreach_norm(local, ord=float("inf"))).isfinite()).any().float()
-    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    return not bad.item()
-
-
-def check_resumable(path, mcfg):
-    saved = read_json(os.path.join(path, "meta.json"))["model_config"]
-    # A field added to GPTConfig after the checkpoint was written (e.g. norm) counts as its
-    # default there: the code that wrote it had no other behaviour.
-    defaults = {f.name: f.default for f in fields(GPTConfig)}
-    saved = {**{k: v for k, v in defaults.items() if k not in saved}, **saved}
-    changed = [f"{k} {saved.get(k)!r} there, {v!r} now" for k, v in asdict(mcfg).items()
-               if k not in RUNTIME_MODEL_FIELDS and saved.get(k) != v]
-    if changed:
-        raise ValueError(f"{path} holds a different model ({'; '.join(changed)}): resume with its settings "
-                         f"or choose another out_dir")
-
-
-# Settings that define the experiment (with the model, which check_resumable compares): resumed
-# with another value, a run would become a different arm under the old one's name.
-EXPERIMENT_KEYS = ("gamma", "init_overrides", "seed", "global_batch", "seq_len", "lr", "betas", "adam_eps",
-                   "weight_decay", "grad_clip", "schedule", "warmup_steps", "max_steps", "min_lr_ratio", "decay_frac")
-
-
-def experiment_changes(saved_meta, cfg, data_fp):
-    """{setting: {"was", "now"}} between a checkpoint and this run. Data is compared by content
-    (prepare_data.data_fingerprint), so a refilled folder of the same size is caught; checkpoints
-    written before fingerprints existed are compared on settings only."""
-    was, now = saved_meta["config"], json.loads(json.dumps(cfg))  # as saved: tuples are lists
-    changes = {k: {"was": was.get(k), "now": now[k]} for k in EXPERIMENT_KEYS if was.get(k) != now[k]}
-    if saved_meta.get("data_fingerprint") not in (None, data_fp):
-        changes["data"] = {"was": saved_meta["data_fingerprint"][:12], "now": data_fp[:12]}
-    return changes
-
-
-def describe_changes(changes):
-    return "; ".join(f"{k} {v['was']!r} there, {v['now']!r} now" for k, v in changes.items())
-
-
-def save_checkpoint(cfg, step, net, opt, loader, meta, last_good):
-    """Write ckpt_{step} (as tmp_, renamed when whole) and prune old ones. Refuses to save
-    non-finite weights or optimizer state; a full disk is one line, the partial folder removed."""
-    if not all_finite(net, opt):
-        raise FloatingPointError(f"step {step}: parameters or optimizer state are not finite (NaN/Inf); not saved. "
-                                 f"Last good checkpoint: {last_good or 'none'} (intact). Resume from it with a lower "
-                                 f"lr, longer warmup or tighter grad_clip.")
-    rank = dist.get_rank()
-    name = f"ckpt_{step:08d}"
-    tmp, final = os.path.join(cfg["out_dir"], "tmp_" + name), os.path.join(cfg["out_dir"], name)
-    fresh_optimizer = not opt.state  # the init checkpoint: no update has run yet
-    try:
-        model_sd, optim_sd = get_state_dict(net, opt)
-        if fresh_optimizer:
-            # get_state_dict materialises AdamW's state by a zero-gradient step, which counts as
-            # step 1: left in place, saving the init would shift every later bias correction.
-            opt.state.clear()
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
-        # RNG streams differ per rank, so they can't be DCP entries (which are deduplicated).
-        rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-        with atomic_open(os.path.join(tmp, f"rng_rank{rank}.pt")) as f:
-            torch.save(rng, f)
-        dist.barrier()  # every rank's shards are on disk before the folder becomes visible
-        if rank == 0:
-            write_json(os.path.join(tmp, "meta.json"), {
-                **meta, "step": step, "world_size": dist.get_world_size(), "data_state": loader.state_dict()})
-    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        if not disk_full(e, cfg["out_dir"], local_state_bytes(net, opt)):
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise OSError(errno.ENOSPC, f"no space left on device while saving {tmp} "
-                      f"({shutil.disk_usage(cfg['out_dir']).free:,} bytes free): not saved, its partial folder "
-                      f"removed; {last_good or 'no earlier checkpoint'} is intact. Free space and resume") from None
-    if rank == 0:
-        if os.path.exists(final):  # a damaged one that resume fell back from: replaced
-            prune_checkpoint(final)
-        os.rename(tmp, final)
-        # keep_last counts complete checkpoints (each .metadata read, ms apiece), so a damaged
-        # newer folder never displaces a good older one
-        done = complete_checkpoints(cfg["out_dir"])
-        for old in done[:-cfg["keep_last"]]:
-            old_step = int(os.path.basename(old)[5:])
-            if not (cfg["keep_every"] and old_step % cfg["keep_every"] == 0) and old_step not in cfg["keep_steps"]:
-                prune_checkpoint(old)
-    dist.barrier()
-    return final
-
-
-def local_state_bytes(net, opt):
-    """Bytes of this rank's parameters and optimizer state: about what its checkpoint shard needs."""
-    tensors = [*net.parameters(), *(v for st in opt.state.values() for v in st.values() if torch.is_tensor(v))]
-    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
-
-
-def disk_full(error, folder, need_bytes):
-    """Whether an exception from a save is the disk filling up. torch.save's writer loses the
-    errno ("unexpected pos 704 vs 598"), so besides ENOSPC anywhere down the exception chain,
-    less free space than one checkpoint needs counts as full."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-            return True
-        error = error.__cause__ or error.__context__
-    return shutil.disk_usage(folder).free < need_bytes
-
-
-def load_checkpoint(path, meta, net, opt, loader, cfg_weight_decay):
-    """Load ckpt folder `path` (its meta.json already read as `meta`) into net, opt and loader."""
-    model_sd, optim_sd = get_state_dict(net, opt)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)  # DCP reshards when the world size changed
-    set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    if meta["step"] == 0:
-        opt.state.clear()  # the init checkpoint's optimizer is fresh (see save_checkpoint)
-    for group in opt.param_groups:  # the config's weight decay wins over the checkpoint's (sweeps)
-        group["weight_decay"] = cfg_weight_decay[group["name"]]
-    try:
-        loader.load_state_dict(meta["data_state"])
-    except ValueError as e:
-        raise ValueError(f"resume from {path}: {e}") from None
-    rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
-    if meta["world_size"] == dist.get_world_size():
-        rng = torch.load(rng_file, weights_only=True)  # tensors only: a crafted pickle can't run code
-        torch.set_rng_state(rng["cpu"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-
-
-def find_checkpoints(path):
-    """Checkpoint paths in a run folder (complete ckpt_* folders, step order), or [path] for a
-    complete checkpoint folder or a file. Anything else is a one-line error saying what it is."""
-    if not (os.path.isfile(path) or os.path.isdir(path)):
-        raise FileNotFoundError(f"{path}: no such checkpoint file or folder")
-    if os.path.isfile(path):
-        return [path]
-    if glob.glob(os.path.join(path, "*_000000.bin")):  # prepare_data.py's first shard of a split
-        raise ValueError(f"{path} is a data folder (prepare_data.py output), not a checkpoint: pass a run folder, "
-                         f"a ckpt_* folder or a .pt export")
-    if os.path.exists(os.path.join(path, "meta.json")) or os.path.exists(os.path.join(path, ".metadata")):
-        problem = checkpoint_problem(path)
-        if problem:
-            others = complete_checkpoints(os.path.dirname(os.path.abspath(path)))
-            hint = f"complete ones beside it: {', '.join(os.path.basename(o) for o in others)}" if others else \
-                "pass another checkpoint"
-            raise ValueError(f"{path}: damaged or half-written checkpoint ({problem}); {hint}")
-        return [path]
-    found, damaged = scan_checkpoints(path)
-    if not found:
-        what = f"only damaged checkpoints ({damaged[-1][0]}: {damaged[-1][1]})" if damaged else "no ckpt_* folders"
-        raise ValueError(f"{path}: {what}; pass a .pt export, a complete checkpoint folder or a run folder "
-                         "written by train.py")
-    return found
-
-
-def load_model(path, device="cpu", attn_backend=None):
-    """The one model-loading path (export and every analysis): (GPT in eval mode, info) where info holds
-    the checkpoint's model_config, config, step and data_meta."""
-    path = find_checkpoints(path)[-1]
-    if os.path.isfile(path):
-        if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; its error would only say "weights only"
-            raise ValueError(f"{path}: not a torch file (no zip archive in it: random bytes or a truncated copy); "
-                             "pass a .pt made by `python train.py export`, or a checkpoint folder")
-        try:
-            blob = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # a damaged zip, a pickle with code in it
-            raise ValueError(f"{path}: not a readable torch file ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
-                             "pass a .pt made by `python train.py export`, or a checkpoint folder") from None
-        if not isinstance(blob, dict) or "model" not in blob or "model_config" not in blob:
-            raise ValueError(f"{path}: not a smallinit export (needs 'model' and 'model_config'); "
-                             "make one with `python train.py export <ckpt_dir> <file.pt>`")
-        info = {k: v for k, v in blob.items() if k != "model"}
-    else:
-        info = read_json(os.path.join(path, "meta.json"))
-    # Built on the meta device: the random init of GPT(cfg) would be overwritten anyway, and at
-    # 1.5B it costs a minute and a full extra copy of the weights in host memory.
-    with torch.device("meta"):
-        net = GPT(GPTConfig(**info["model_config"]))
-    net.to_empty(device=device)  # GPT.to_empty keeps tied embeddings tied
-    net.reset_buffers()  # non-persistent buffers are not in the checkpoint
-    if os.path.isfile(path):
-        net.load_state_dict(blob["model"])
-    else:
-        # DCP fills the given tensors in place and reads only the keys asked for ("model.*",
-        # not the optimizer); in a single process it needs no process group, and says so in a
-        # warning that would only confuse here.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            try:
-                dcp.load({"model": net.state_dict()}, checkpoint_id=path)
-            except (Exception, CheckpointException) as e:  # bytes damaged in place: the sizes were right, the contents not
-                raise ValueError(f"{path}: its weights could not be read ({type(e).__name__}); the checkpoint is "
-                                 f"damaged: pass another one") from None
-    if attn_backend or (net.cfg.attn_backend == "flex" and not str(device).startswith("cuda")):
-        # Flex kernels are CUDA-only here; sdpa shares its mask definition (model.py).
-        net.set_attn_backend(attn_backend or "sdpa")
-    info["path"] = path
-    return net.eval(), info
-
-
-def export(ckpt_dir, out_file):
-    """DCP folder -> one torch.save file with the full fp32 model; no process group needed."""
-    if not os.path.isfile(os.path.join(ckpt_dir, "meta.json")):
-        raise ValueError(f"export: {ckpt_dir} is not a complete checkpoint folder (no meta.json); "
-                         f"pass an out_dir/ckpt_XXXXXXXX folder")
-    net, info = load_model(ckpt_dir)  # the one loading path: one process reads every shard
-    payload = {"model": net.state_dict(), **{k: info[k] for k in ("model_config", "config", "step", "data_meta")}}
-    with atomic_open(out_file) as f:
-        torch.save(payload, f)
-    print(f"exported {ckpt_dir} (step {info['step']}) -> {out_file}")
-
-
 # ----------------------------------------------------------------------------- measurement
 def memory_estimate(net, mcfg, cfg, world, accum):
     """Bytes per GPU on CUDA (bf16 compute), roughly: sharded fp32 state + gathered blocks +
@@ -937,6 +610,9 @@ def train(cfg):
     if (done or damaged) and not cfg["resume"]:
         newest = os.path.basename((done or [p for p, _ in damaged])[-1])
         raise RunDirError(f"{out} already holds checkpoints ({newest}); pass --resume=True or choose another out_dir")
+    if damaged and not done:  # starting over would truncate metrics.jsonl and bury the run's history
+        raise RunDirError(f"every checkpoint in {out} is damaged ({os.path.basename(damaged[-1][0])}: {damaged[-1][1]}); "
+                          f"nothing was changed: move them away to start over, or choose another out_dir")
     for path, why in damaged:
         log0(f"{path} is damaged ({why}): not used")
     net, init_report = build_model(cfg, mcfg, device)
@@ -959,11 +635,11 @@ def train(cfg):
                               f"(the changes are recorded in metrics.jsonl)")
         why = None
         try:
-            load_checkpoint(path, meta, net, opt, loader, cfg["weight_decay"])
+            load_checkpoint(path, meta, net, opt, loader, cfg["weight_decay"], cfg["verify_checkpoints"])
         except ValueError:
             raise  # the data no longer fits the checkpoint: the user's to fix, not damage
         except (Exception, CheckpointException) as e:  # unreadable bytes: DCP raises a BaseException
-            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            why = load_error(e)
         ok = torch.tensor(why is None, device=device, dtype=torch.float32)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank falls back together
         if ok.item() and not all_finite(net, opt):
@@ -985,11 +661,13 @@ def train(cfg):
                  f"streams restart from seed, and float reductions run in a different order")
         if changes:
             log0(f"resuming with changed settings (allow_resume_changes): {describe_changes(changes)}")
-    meta_common = {"config": cfg, "model_config": asdict(mcfg), "data_meta": data_meta, "data_fingerprint": data_fp}
+    recorded, resume_changes = settings_to_record(meta if resumed else None, cfg, step, changes)
+    meta_common = {"config": recorded, "resume_changes": resume_changes, "model_config": asdict(mcfg),
+                   "data_meta": data_meta, "data_fingerprint": data_fp}
     metrics_path = os.path.join(out, "metrics.jsonl")
     if rank == 0:
         log0(json.dumps(cfg, indent=1))
-        write_json(os.path.join(out, "config.json"), cfg)
+        write_json(os.path.join(out, "config.json"), {**recorded, "resume_changes": resume_changes})
         if step == 0:
             log0(format_report(init_report))
         truncate_metrics(metrics_path, step if resumed else -1)  # no checkpoint: everything is redone
@@ -1108,21 +786,6 @@ def memory_used(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS, KiB on Linux
-
-
-def truncate_metrics(path, step):
-    """On resume, drop rows the killed run wrote after its last checkpoint: they are redone."""
-    if not os.path.exists(path):
-        return
-    rows = []
-    with open(path) as f:
-        for line in f:
-            try:
-                if json.loads(line)["step"] <= step:
-                    rows.append(line)
-            except (json.JSONDecodeError, KeyError):
-                pass  # the half-written last row of a killed run
-    atomic_write_bytes(path, [row.encode() for row in rows])
 
 
 def main(argv):

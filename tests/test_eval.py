@@ -14,7 +14,7 @@ import eval as ev
 from conftest import tiny_model
 from model import cosine_stats, row_cosines, stable_rank
 from prepare_data import write_json
-from train import find_checkpoints, load_model
+from checkpoint import find_checkpoints, load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "..", "shared", "data")
@@ -309,7 +309,7 @@ def export(model, path, step=0, data_dir=None, data_meta=BYTES_META, **config):
 
 def save_dcp(model, folder, step):
     """A train.py checkpoint folder: DCP files with "model.*" and "optim.*" entries, the rank's
-    rng file and meta.json (what train.checkpoint_problem requires of a complete one)."""
+    rng file and meta.json (what checkpoint.checkpoint_problem requires of a complete one)."""
     import torch.distributed.checkpoint as dcp
     from dataclasses import asdict
     with warnings.catch_warnings():

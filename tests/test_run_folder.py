@@ -4,6 +4,7 @@ non-finite state, resume refusing a different experiment, no code from rng pickl
 checked against the vocab, one-line messages (config files, eval.py on damaged input, a full
 disk), and the CPU matmul peak."""
 import glob
+import hashlib
 import json
 import os
 import pickle
@@ -12,11 +13,13 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import train
 from conftest import launch_env
 from prepare_data import check_token_ids, data_fingerprint, load_meta
@@ -50,20 +53,20 @@ def one_line(p):
 def test_complete_means_every_file_dcp_names(run6, tmp_path):
     run = copy_run(run6, tmp_path)
     newest = os.path.join(run, "ckpt_00000006")
-    assert train.checkpoint_problem(newest) is None
+    assert checkpoint.checkpoint_problem(newest) is None
     shard = glob.glob(os.path.join(newest, "*.distcp"))[0]
     size = os.path.getsize(shard)
     with open(shard, "r+b") as f:
         f.truncate(size // 2)
-    assert train.checkpoint_problem(newest) == f"{os.path.basename(shard)} is truncated ({size // 2} of {size} bytes)"
+    assert checkpoint.checkpoint_problem(newest) == f"{os.path.basename(shard)} is truncated ({size // 2} of {size} bytes)"
     os.remove(shard)
-    assert train.checkpoint_problem(newest) == f"{os.path.basename(shard)} is missing"
-    assert [os.path.basename(c) for c in train.complete_checkpoints(run)] == ["ckpt_00000004", "ckpt_00000005"]
+    assert checkpoint.checkpoint_problem(newest) == f"{os.path.basename(shard)} is missing"
+    assert [os.path.basename(c) for c in checkpoint.complete_checkpoints(run)] == ["ckpt_00000004", "ckpt_00000005"]
     os.remove(os.path.join(run, "ckpt_00000005", "rng_rank0.pt"))
-    assert train.checkpoint_problem(os.path.join(run, "ckpt_00000005")) == "rng_rank0.pt is missing"
+    assert checkpoint.checkpoint_problem(os.path.join(run, "ckpt_00000005")) == "rng_rank0.pt is missing"
     with open(os.path.join(run, "ckpt_00000004", "meta.json"), "w") as f:
         f.write('{"step": 4, ')
-    assert train.checkpoint_problem(os.path.join(run, "ckpt_00000004")).startswith("meta.json is not valid JSON")
+    assert checkpoint.checkpoint_problem(os.path.join(run, "ckpt_00000004")).startswith("meta.json is not valid JSON")
 
 
 def test_kill_during_prune_leaves_no_complete_looking_folder(run6, tmp_path, monkeypatch):
@@ -76,14 +79,14 @@ def test_kill_during_prune_leaves_no_complete_looking_folder(run6, tmp_path, mon
     def killed_rmtree(path, *a, **k):
         os.remove(glob.glob(os.path.join(path, "*.distcp"))[0])
         raise KeyboardInterrupt("killed mid-prune")
-    monkeypatch.setattr(train.shutil, "rmtree", killed_rmtree)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_rmtree)
     with pytest.raises(KeyboardInterrupt):
-        train.prune_checkpoint(os.path.join(run, "ckpt_00000004"))
-    monkeypatch.setattr(train.shutil, "rmtree", real_rmtree)
+        checkpoint.prune_checkpoint(os.path.join(run, "ckpt_00000004"))
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real_rmtree)
     assert os.path.isdir(os.path.join(run, "deleting_ckpt_00000004"))
-    assert [os.path.basename(c) for c in train.complete_checkpoints(run)] == ["ckpt_00000005", "ckpt_00000006"]
-    assert train.scan_checkpoints(run)[1] == []  # nothing half-deleted is even listed
-    train.clear_leftovers(run)
+    assert [os.path.basename(c) for c in checkpoint.complete_checkpoints(run)] == ["ckpt_00000005", "ckpt_00000006"]
+    assert checkpoint.scan_checkpoints(run)[1] == []  # nothing half-deleted is even listed
+    checkpoint.clear_leftovers(run)
     assert not glob.glob(os.path.join(run, "deleting_*"))
 
 
@@ -104,7 +107,7 @@ def test_real_kills_while_saving_and_pruning_never_leave_a_damaged_ckpt(data_dir
         time.sleep(rng.uniform(0.05, 1.0))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        complete, damaged = train.scan_checkpoints(out)
+        complete, damaged = checkpoint.scan_checkpoints(out)
         assert damaged == [], damaged
     run_train([*args, f"--out_dir={out}"])
     assert rows(out, "loss") == rows(ref, "loss")
@@ -123,7 +126,7 @@ def test_damaged_newest_checkpoint_falls_back_and_says_so(run6, data_dir, tmp_pa
     assert "ckpt_00000006 could not be resumed" in p.stdout and "falling back" in p.stdout
     assert "resumed from " + os.path.join(run, "ckpt_00000005") in p.stdout
     assert rows(run, "loss") == rows(run6, "loss")  # step 6 redone from 5: bitwise the same
-    assert train.checkpoint_problem(os.path.join(run, "ckpt_00000006")) is None  # rewritten whole
+    assert checkpoint.checkpoint_problem(os.path.join(run, "ckpt_00000006")) is None  # rewritten whole
     # Truncated (caught before loading): said and skipped.
     run = copy_run(run6, tmp_path, "trunc")
     with open(glob.glob(os.path.join(run, "ckpt_00000006", "*.distcp"))[0], "r+b") as f:
@@ -154,7 +157,7 @@ def test_double_launch_exits_at_once_naming_the_holder(data_dir, tmp_path):  # n
         first.wait()
     logged = sorted(rows(out, "loss"))
     assert logged == list(range(1, len(logged) + 1)) and len(logged) >= 20  # every row of the holder's, in place
-    assert len(train.complete_checkpoints(out)) >= 1 and train.scan_checkpoints(out)[1] == []
+    assert len(checkpoint.complete_checkpoints(out)) >= 1 and checkpoint.scan_checkpoints(out)[1] == []
     # the kernel released the lock with its holder: the next launch gets past it (and stops at
     # the experiment check, having been asked for a different schedule)
     assert "max_steps 100000 there, 50 now" in one_line(run_train([*args, "--max_steps=50"], ok=False))
@@ -186,13 +189,13 @@ def test_all_finite_sees_one_nan_in_optimizer_state():
     opt.step()
     train.setup_distributed()
     try:
-        assert train.all_finite(net, opt)
+        assert checkpoint.all_finite(net, opt)
         opt.state[net.weight]["exp_avg_sq"][1, 2] = float("nan")
-        assert not train.all_finite(net, opt)
+        assert not checkpoint.all_finite(net, opt)
         opt.state[net.weight]["exp_avg_sq"][1, 2] = 0.0
         with torch.no_grad():
             net.bias[0] = float("-inf")
-        assert not train.all_finite(net, opt)
+        assert not checkpoint.all_finite(net, opt)
     finally:
         torch.distributed.destroy_process_group()
 
@@ -206,8 +209,8 @@ def test_resume_refuses_a_different_experiment(run6, data_dir, tmp_path):  # noq
     assert "gamma 1.0 there, 0.5 now; seed 0 there, 1 now" in err and "allow_resume_changes" in err
     meta = meta_of(run)
     fp = data_fingerprint(data_dir, load_meta(data_dir))
-    assert train.experiment_changes(meta, train.load_config(base), fp) == {}
-    assert train.experiment_changes(meta, train.load_config([*base, "--weight_decay.matrix=1.0"]), fp) == {
+    assert checkpoint.experiment_changes(meta, train.load_config(base), fp) == {}
+    assert checkpoint.experiment_changes(meta, train.load_config([*base, "--weight_decay.matrix=1.0"]), fp) == {
         "weight_decay": {"was": {"matrix": 0.1, "embed": 0.0, "norm": 0.0}, "now": {"matrix": 1.0, "embed": 0.0, "norm": 0.0}}}
     # the same data, every byte rot13'd: the same size and shapes, other tokens
     other = str(tmp_path / "rot13")
@@ -224,12 +227,20 @@ def test_resume_refuses_a_different_experiment(run6, data_dir, tmp_path):  # noq
         info.pop("shard_sha256")  # as a folder written before fingerprints: hashed from the files
     json.dump(meta, open(os.path.join(other, "meta.json"), "w"))
     assert data_fingerprint(other, meta) != fp
-    assert list(train.experiment_changes(meta_of(run), train.load_config(base), data_fingerprint(other, meta))) == ["data"]
+    assert list(checkpoint.experiment_changes(meta_of(run), train.load_config(base), data_fingerprint(other, meta))) == ["data"]
     # explicitly allowed: resumes, and the change is on record
     p = run_train([*base, "--max_steps=7", "--allow_resume_changes=True"])
     assert "resuming with changed settings" in p.stdout
     records = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if "resume_changes" in line]
     assert records == [{"step": 6, "resume_changes": {"max_steps": {"was": 6, "now": 7}}}]
+    # the recorded settings stay the first run's, the change listed with its step; the next
+    # resume at the changed value is the same experiment
+    history = [{"step": 6, "changes": {"max_steps": {"was": 6, "now": 7}}}]
+    meta7, config = (json.load(open(os.path.join(run, *f))) for f in (("ckpt_00000007", "meta.json"), ("config.json",)))
+    assert meta7["config"]["max_steps"] == 6 == config["max_steps"]
+    assert meta7["resume_changes"] == history == config["resume_changes"]
+    p = run_train([*base, "--max_steps=7"])  # 7 is what the run now is: no change, no flag needed
+    assert "resumed from " + os.path.join(run, "ckpt_00000007") in p.stdout and "changed settings" not in p.stdout
 
 
 def meta_of(run):
@@ -250,9 +261,94 @@ def test_rng_file_is_loaded_without_running_code(run6, data_dir, tmp_path):  # n
     run = copy_run(run6, tmp_path)
     with open(os.path.join(run, "ckpt_00000006", "rng_rank0.pt"), "wb") as f:
         pickle.dump({"cpu": Boom(tmp_path / "PWNED")}, f)
+    drop_checksums(os.path.join(run, "ckpt_00000006"))  # whoever crafts the file rewrites meta.json too
     p = run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
     assert not (tmp_path / "PWNED").exists()
     assert "ckpt_00000006 could not be resumed (UnpicklingError" in p.stdout  # refused, not run
+
+
+def drop_checksums(ckpt):
+    meta_file = os.path.join(ckpt, "meta.json")
+    meta = json.load(open(meta_file))
+    del meta["sha256"]
+    json.dump(meta, open(meta_file, "w"))
+
+
+def test_crafted_metadata_runs_no_code_on_resume_eval_or_export(run6, data_dir, tmp_path):  # noqa: F811
+    """DCP reads .metadata with plain pickle.load: a crafted one in a shared run folder would run
+    on train.py resume, eval.py and export. Every checkpoint of the run is crafted here."""
+    run = copy_run(run6, tmp_path)
+    marker = tmp_path / "PWNED"
+    for ckpt in glob.glob(os.path.join(run, "ckpt_*")):
+        with open(os.path.join(ckpt, ".metadata"), "wb") as f:
+            pickle.dump(Boom(marker), f)
+        drop_checksums(ckpt)
+    newest = os.path.join(run, "ckpt_00000006")
+    assert checkpoint.checkpoint_problem(newest) == ("its .metadata names posix.system, which DCP never writes "
+                                                     "there (a crafted file?): not loaded")
+    def files():  # all but the lock, which says who tried last
+        return {f: open(f, "rb").read() for f in glob.glob(os.path.join(run, "**"), recursive=True)
+                if os.path.isfile(f) and not f.endswith("train.lock")}
+    before = files()
+    err = one_line(run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"], ok=False))
+    assert err.startswith(f"every checkpoint in {run} is damaged (ckpt_00000006: its .metadata names posix.system")
+    for cmd in (["eval.py", "weights", run], ["eval.py", "loss", newest, "--data", data_dir],
+                ["train.py", "export", newest, str(tmp_path / "x.pt")]):
+        p = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, env=launch_env())
+        assert p.returncode != 0 and "DCP never writes there" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not marker.exists()
+    assert files() == before  # the refused run folder is left as it was (item: all damaged, nothing pruned)
+
+
+def test_crafted_byte_entry_runs_no_code(tmp_path):
+    """DCP's planner torch.loads byte entries (the optimizer's param_groups) with weights_only=False.
+    A checkpoint written by DCP itself with a payload among those entries, loaded the way resume
+    loads (checkpoint.dcp_load), is refused."""
+    marker = tmp_path / "PWNED"
+    crafted = str(tmp_path / "crafted")
+    with warnings.catch_warnings():  # single process, no process group: DCP says so in a warning
+        warnings.simplefilter("ignore")
+        torch.distributed.checkpoint.save({"model": {"w": torch.zeros(2)}, "optim": {"groups": [{"lr": Boom(marker)}]}},
+                                          checkpoint_id=crafted)
+        with pytest.raises(BaseException) as e:  # DCP's CheckpointException is a BaseException
+            checkpoint.dcp_load({"model": {"w": torch.empty(2)}, "optim": {"groups": [{"lr": None}]}}, crafted)
+    assert not marker.exists()
+    assert checkpoint.load_error(e.value) == ("its entry optim.groups.0.lr is a pickle of more than plain data "
+                                              "(a crafted file?): not loaded")
+
+
+# ----------------------------------------------------------------------------- checksums
+def test_checkpoint_records_the_sha256_of_every_file_it_wrote(run6):
+    for ckpt in checkpoint.complete_checkpoints(run6):
+        recorded = json.load(open(os.path.join(ckpt, "meta.json")))["sha256"]
+        on_disk = {name: hashlib.sha256(open(os.path.join(ckpt, name), "rb").read()).hexdigest()
+                   for name in os.listdir(ckpt) if name != "meta.json"}
+        assert recorded == on_disk
+
+
+@pytest.mark.slow
+def test_a_flipped_byte_in_any_checkpoint_file_is_damage(run6, data_dir, tmp_path):  # noqa: F811
+    names = sorted(json.load(open(os.path.join(run6, "ckpt_00000006", "meta.json")))["sha256"])
+    assert names == [".metadata", "__0_0.distcp", "rng_rank0.pt"]
+    for name in names:
+        run = copy_run(run6, tmp_path, name.strip("."))
+        newest = os.path.join(run, "ckpt_00000006")
+        with open(os.path.join(newest, name), "r+b") as f:  # 16 bytes in the middle: sizes stay right
+            f.seek(os.path.getsize(f.name) // 2)
+            f.write(bytes(16))
+        if name != ".metadata":  # a changed index may not unpickle at all: damaged before its sha256 is read
+            with pytest.raises(ValueError, match=f"damaged checkpoint \\({name} does not match its sha256"):
+                checkpoint.load_model(newest)
+        # a run folder: the newest intact one, saying which was passed over and why
+        net, info = checkpoint.load_model(run)
+        assert info["path"] == os.path.join(run, "ckpt_00000005")
+    p = subprocess.run([sys.executable, "eval.py", "loss", run, "--data", data_dir, "--tokens", "256"], cwd=ROOT,
+                       capture_output=True, text=True, env=launch_env())
+    assert p.returncode == 0 and "using ckpt_00000005; newer but damaged: ckpt_00000006" in p.stderr, p.stderr
+    assert checkpoint.load_model(newest, verify=False)[1]["path"] == newest  # the explicit way past the check
+    p = run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
+    assert "ckpt_00000006 could not be resumed (DamagedCheckpoint: rng_rank0.pt does not match its sha256" in p.stdout
+    assert rows(run, "loss") == rows(run6, "loss")  # step 6 redone from 5
 
 
 # ----------------------------------------------------------------------------- token ids
@@ -341,10 +437,10 @@ def test_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_last(run6, data
         args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=8", "--ckpt_interval=1", "--keep_last=3"]
         err = one_line(run_train(args, ok=False))
         assert err.startswith("no space left on device while saving") and "is intact. Free space and resume" in err
-        complete, damaged = train.scan_checkpoints(out)
+        complete, damaged = checkpoint.scan_checkpoints(out)
         assert complete and damaged == [] and not glob.glob(os.path.join(out, "tmp_*"))
         assert err.split(" is intact")[0].endswith(os.path.basename(complete[-1]))
-        assert train.checkpoint_problem(complete[-1]) is None
+        assert checkpoint.checkpoint_problem(complete[-1]) is None
         assert sorted(rows(out, "loss"))[-1] >= int(complete[-1][-8:])  # metrics kept up to the failure
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
@@ -372,11 +468,11 @@ def test_a_model_field_newer_than_the_checkpoint_counts_as_its_default(run6, tmp
     mcfg = train.model_config(meta["config"], "cpu")
     del meta["model_config"]["norm"]  # as written before GPTConfig had the field
     json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
-    train.check_resumable(path, mcfg)
+    checkpoint.check_resumable(path, mcfg)
     meta["model_config"]["norm"] = "layernorm"
     json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
     with pytest.raises(ValueError, match="norm 'layernorm' there, 'rmsnorm' now"):
-        train.check_resumable(path, mcfg)
+        checkpoint.check_resumable(path, mcfg)
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import train
 from conftest import failure_text, launch_env
 from model import GPT, GPTConfig, init_model_
@@ -235,7 +236,7 @@ def test_loss_falls(data_dir, tmp_path):
     assert sorted(os.listdir(out)) == ["ckpt_00000000", "ckpt_00000007", "ckpt_00000060", "config.json", "metrics.jsonl",
                                        "train.lock"]
     init_path = str(tmp_path / "init.pt")
-    train.export(os.path.join(out, "ckpt_00000000"), init_path)
+    checkpoint.export(os.path.join(out, "ckpt_00000000"), init_path)
     blob, at_init = load_export(init_path)
     fresh = GPT(GPTConfig(**blob["model_config"]))
     init_model_(fresh, gamma=blob["config"]["gamma"], seed=blob["config"]["seed"])
@@ -251,7 +252,7 @@ def test_loss_falls(data_dir, tmp_path):
     assert val[60] < val[0] - 1.5
     # The logged condensation metrics are those of the checkpointed weights (numpy reference).
     path = str(tmp_path / "final.pt")
-    train.export(os.path.join(out, "ckpt_00000060"), path)
+    checkpoint.export(os.path.join(out, "ckpt_00000060"), path)
     _, net = load_export(path)
     logged = rows(out, "weights")[60]
     for name in ("layers.0.attn.wq.weight", "layers.1.mlp.w_up.weight"):
@@ -324,7 +325,7 @@ def test_export_of_sharded_checkpoint_matches_single_process(moe_runs, tmp_path)
     exported = {}
     for name in ("1x4", "fsdp2"):
         path = str(tmp_path / f"{name}.pt")
-        train.export(str(root / name / "ckpt_00000010"), path)  # in this process: no process group
+        checkpoint.export(str(root / name / "ckpt_00000010"), path)  # in this process: no process group
         exported[name] = load_export(path)
     (blob1, net1), (blob2, net2) = exported["1x4"], exported["fsdp2"]
     assert blob1["step"] == blob2["step"] == 10 and blob2["config"]["batch_size"] == 2
@@ -362,14 +363,14 @@ def test_sigkill_and_resume_is_bitwise_exact(data_dir, tmp_path):
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL
-    done = train.complete_checkpoints(out)
+    done = checkpoint.complete_checkpoints(out)
     assert done and not done[-1].endswith("ckpt_00000150"), "the run finished before it was killed"
     os.makedirs(os.path.join(out, "ckpt_99999999"))    # incomplete (no meta.json): ignored
     os.makedirs(os.path.join(out, "tmp_ckpt_00000999"))  # a save cut short: removed
     p = run_train([*args, f"--out_dir={out}"])
     assert f"resumed from {done[-1]}" in p.stdout
     assert not os.path.exists(os.path.join(out, "tmp_ckpt_00000999"))
-    assert [os.path.basename(c) for c in train.complete_checkpoints(ref)] == ["ckpt_00000140", "ckpt_00000150"]  # keep_last=2
+    assert [os.path.basename(c) for c in checkpoint.complete_checkpoints(ref)] == ["ckpt_00000140", "ckpt_00000150"]  # keep_last=2
     for field in ("loss", "grad_norm", "val_loss"):
         assert rows(out, field) == rows(ref, field), field  # every step, bitwise
 
@@ -397,7 +398,7 @@ def test_nan_guard_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
     assert p.returncode != 0
     last = os.path.join(out, "ckpt_00000005")
     assert "non-finite loss nan" in p.stderr and "at step 8" in p.stderr and last in p.stderr
-    assert train.complete_checkpoints(out) == [last]
+    assert checkpoint.complete_checkpoints(out) == [last]
     assert sorted(rows(out, "loss")) == list(range(1, 8))  # once each; nothing for the poisoned step
     assert sorted(rows(out, "val_loss")) == [0, 5]
     path = str(tmp_path / "last.pt")
@@ -425,10 +426,10 @@ def test_resuming_a_different_model_is_a_one_line_error(moe_runs, tmp_path):
 def test_half_written_metrics_row_and_missing_export_folder(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n{"step": 3, "lo')
-    train.truncate_metrics(str(path), 2)
+    checkpoint.truncate_metrics(str(path), 2)
     assert path.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n'
     with pytest.raises(ValueError, match="not a complete checkpoint folder"):
-        train.export(str(tmp_path / "ckpt_00000099"), str(tmp_path / "x.pt"))
+        checkpoint.export(str(tmp_path / "ckpt_00000099"), str(tmp_path / "x.pt"))
 
 
 # ----------------------------------------------------------------------------- ETA and live curves
