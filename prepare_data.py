@@ -592,6 +592,97 @@ def source_files(source):
     return files, builders.pop()
 
 
+def folder_files(path):
+    """Every file under a folder that datasets may read, sorted: it skips hidden files and
+    folders (.cache/ of an `hf download --local-dir`, .git/) and folders named __*."""
+    files = []
+    for root, dirs, names in os.walk(path):
+        dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
+        files += [os.path.join(root, n) for n in names if not n.startswith(".")]
+    return sorted(files)
+
+
+def data_suffix(path):
+    """'.txt', '.jsonl.gz'...: the end of the name that makes it a data file (file_builder)."""
+    stem, ext = os.path.splitext(path)
+    return os.path.splitext(stem)[1] + ext if ext in COMPRESSED else ext
+
+
+def glob_source(source, folder, files):
+    """The --source that reads `files` (one format, all under `folder`) whole as a glob, with
+    the source's other options: the fix for a folder whose split inference drops files."""
+    suffixes = {data_suffix(f) for f in files}
+    tail = suffixes.pop() if len(suffixes) == 1 else {"text": ".txt*", "json": ".json*"}.get(file_builder(files[0]), ".parquet")
+    defaults = Source(source.name, source.path)
+    options = [f"{k}={v}" for k, v in asdict(source).items()
+               if k not in ("name", "path", "config", "split") and v != getattr(defaults, k)]
+    return "--source " + shlex.quote(",".join([f"{source.name}={os.path.join(folder, '**', '*' + tail)}", *options]))
+
+
+def readme_configs(folder):
+    """The configs a folder's README.md declares (the hub layout), or None: then datasets
+    infers splits from file names."""
+    from huggingface_hub.repocard import metadata_load
+    readme = os.path.join(folder, "README.md")
+    return (metadata_load(readme) or {}).get("configs") if os.path.isfile(readme) else None
+
+
+def check_folder(source, folder):
+    """Refuse, in one line, a folder datasets would misread: no data file at all (datasets'
+    message names no fix), or, without README configs, several formats (datasets reads only the
+    most common one and drops the rest silently)."""
+    data = [f for f in folder_files(folder) if file_builder(f)]
+    if not data:
+        raise ValueError(f"source {source.name}: {folder} holds no data files ({', '.join(TEXT_EXTENSIONS)}, "
+                         f"optionally .gz/.bz2/.xz): put the corpus there or pass the files or a glob")
+    kinds = {}
+    for f in data:
+        kinds.setdefault(file_builder(f), []).append(f)
+    if len(kinds) > 1 and readme_configs(folder) is None:
+        found = " and ".join(f"{len(fs)} {'/'.join(sorted({data_suffix(f) for f in fs}))}" for fs in kinds.values())
+        fixes = " ".join(glob_source(Source(**{**asdict(source), "name": f"{source.name}_{kind}"}), folder, fs)
+                         for kind, fs in kinds.items())
+        raise ValueError(f"source {source.name}: {folder} mixes formats ({found} files) and datasets reads one "
+                         f"format per folder, dropping the others: make a source of each, e.g. {fixes}")
+    return data
+
+
+def config_files(config, folder):
+    """The files of every split of a README config. datasets resolves the files of the config it
+    builds only; the others' are still patterns (data/validation-*)."""
+    files = config.data_files or {}
+    if hasattr(files, "resolve"):
+        files = files.resolve(folder)
+    return [f for fs in files.values() for f in fs]
+
+
+def check_folder_split(source, folder, builder, split, data):
+    """Name every data file of the folder that is not read, and how to read it: in a warning, or
+    in the error when datasets' split inference left no `split` at all."""
+    splits = builder.config.data_files or {}
+    if readme_configs(folder) is not None:  # the card declares the splits: only files in none of them are news
+        used = {os.path.abspath(f) for c in builder.builder_configs.values() for f in config_files(c, folder)}
+        unread = [f for f in data if os.path.abspath(f) not in used]
+        if unread and split in splits:
+            print(f"warning: source {source.name}: {len(unread)} data files in {folder} are in no config of its "
+                  f"README.md and are not read: {', '.join(unread)}; to read them, give them a --source of their "
+                  f"own", file=sys.stderr)
+        return
+    where = {os.path.abspath(f): str(s) for s, fs in splits.items() for f in fs}
+    unread = [f for f in data if where.get(os.path.abspath(f)) != split]
+    if not unread or split not in splits and split != "train":  # a split asked for by name: the plain error
+        return
+    named = ", ".join(f + (f" (split {where[os.path.abspath(f)]!r})" if os.path.abspath(f) in where else " (no split)")
+                      for f in unread)
+    message = (f"source {source.name}: datasets splits {folder} by file names ({', '.join(map(str, splits))}) and "
+               f"{'reads split' if split in splits else 'finds no split'} {split!r}, so {len(unread)} of its "
+               f"{len(data)} data files are not read: {named}; to read every file, pass a glob: "
+               f"{glob_source(source, folder, data)}")
+    if split not in splits:
+        raise ValueError(message + " (or pick a split with split=NAME)")
+    print(f"warning: {message}", file=sys.stderr)
+
+
 def source_file_stats(source):
     """[path, size, mtime_ns] of every local file the source's read depends on, by path: a
     glob's files, or everything under a folder (its file names and README.md decide what
@@ -600,11 +691,7 @@ def source_file_stats(source):
     files are not ours to stat."""
     path = os.path.expanduser(source.path[3:] if source.path.startswith("hf:") else source.path)
     if os.path.isdir(path):
-        files = []
-        for root, dirs, names in os.walk(path):
-            # datasets reads no hidden file and nothing under .cache/, .git/ or __pycache__/
-            dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
-            files += [os.path.join(root, n) for n in names if not n.startswith(".")]
+        files = folder_files(path)
     elif source.path.startswith("hf:"):
         return []
     else:
@@ -687,6 +774,7 @@ def open_source(source):
                                    **builder_options(source, builder))
         return ds, "text" if builder == "text" else source.field, files
     repo = source.path[3:] if layout == "hub" else path
+    data = check_folder(source, path) if layout == "folder" else []
     try:
         builder = datasets.load_dataset_builder(repo, source.config)
         options = builder_options(source, builder.name)
@@ -698,18 +786,12 @@ def open_source(source):
                          f"--local-dir DIR) and pass --source {source.name}=DIR; offline, set "
                          f"HF_HUB_OFFLINE=1 to fail at once instead of retrying") from None
     splits = builder.config.data_files or {}
+    if layout == "folder":  # datasets passes over some files silently: say which, and how to read them
+        check_folder_split(source, path, builder, split, data)
     if split not in splits:
         raise ValueError(f"source {source.name}: {repo} has no split {split!r}; datasets finds "
                          f"{[str(s) for s in splits]} (from README.md configs or file names): "
                          f"pass split=NAME in --source")
-    if layout == "folder":  # datasets passes over some files silently: say so
-        used = {os.path.abspath(f) for c in builder.builder_configs.values() for fs in (c.data_files or {}).values()
-                for f in fs}
-        unread = [f for f in sorted(glob.glob(os.path.join(path, "**", "*"), recursive=True))
-                  if file_builder(f) and os.path.abspath(f) not in used]
-        if unread:
-            print(f"warning: source {source.name}: {len(unread)} data files in {path} are in no split or "
-                  f"config datasets finds and are not read, e.g. {unread[0]}", file=sys.stderr)
     files = [f for f in splits[split] if os.path.isfile(f)]  # local ones: hub files are URLs
     check_not_empty(source, files)
     field = "text" if builder.name == "text" else source.field
@@ -948,6 +1030,17 @@ def select_documents(lengths, quota, val_fraction, rng):
     return docs[n_val:], docs[:n_val]
 
 
+def no_val_reason(source, lengths, quota):
+    """Why select_documents took a single document (train keeps it, val gets none) and what helps."""
+    finer = {"document": "sample_by=paragraph or sample_by=line (.txt files)", "paragraph": "sample_by=line (.txt files)",
+             "line": None}[source.sample_by]
+    cut = " or ".join(c for c in (finer, "sep=STRING (cuts documents at that string)") if c)
+    if len(lengths) == 1:
+        return f"it is one document ({int(lengths[0]):,} tokens); cut it into more with {cut}"
+    return (f"its share of the mixture ({quota:,} tokens) is filled by the first of its {len(lengths):,} documents "
+            f"drawn; raise the share (weight=, max_tokens=, --max-tokens) or cut documents smaller with {cut}")
+
+
 def write_text_split(out_dir, split, docs, caches, eot, dtype, shard_tokens, rng):
     """docs: int64 rows (source id, doc index, tokens to keep), written in a seeded order that mixes sources."""
     starts = [np.concatenate([[0], np.cumsum(lengths)]) for _, lengths in caches]
@@ -1013,8 +1106,7 @@ def prepare_text(args):
     for i, (s, (_, lengths), quota) in enumerate(zip(sources, caches, quotas)):
         train, val = select_documents(lengths, quota, args.val_fraction, np.random.default_rng([args.seed, i]))
         if not len(val) and args.val_fraction > 0:
-            print(f"warning: source {s.name} has too few documents for a val split "
-                  f"(use sample_by=paragraph or line)", file=sys.stderr)
+            print(f"warning: source {s.name} has no val split: {no_val_reason(s, lengths, quota)}", file=sys.stderr)
         for split, docs in (("train", train), ("val", val)):
             split_docs[split].append(np.column_stack([np.full(len(docs), i), docs]))
         stats[s.name] = {"weight": s.weight, "split": split_read(s),

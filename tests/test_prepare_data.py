@@ -254,28 +254,33 @@ def write_readme_layout(root, splits):
         "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: data/train-*\n"
         "  - split: test\n    path: data/test-*\n- config_name: val_only\n  data_files:\n"
         "  - split: train\n    path: data/validation-*\n---\n# a dataset card\n")
+    datasets.Dataset.from_dict({"text": ["in no config"]}).to_parquet(str(root / "data" / "extra.parquet"))
+    return (f"warning: source h: 1 data files in {root} are in no config of its README.md and are not read: "
+            f"{root / 'data' / 'extra.parquet'}; to read them, give them a --source of their own")
 
 
 def write_file_name_layout(root, splits):
-    """No README: datasets assigns splits from the file names; gzipped json lines. datasets reads
-    one format per folder (the most common), so notes.txt is passed over."""
+    """No README: datasets assigns splits from the file names; gzipped json lines. Once a file
+    names a split, a file that names none (notes) is not read."""
     import datasets
     (root / "data").mkdir(parents=True)
-    for split, texts in splits.items():
+    for split, texts in [*splits.items(), ("notes", ["names no split"])]:
         datasets.Dataset.from_dict({"text": texts}).to_json(str(root / "data" / f"{split}.jsonl.gz"), compression="gzip")
-    (root / "data" / "notes.txt").write_text("not part of the dataset\n")
+    return (f"warning: source h: datasets splits {root} by file names (train, validation, test) and reads split "
+            f"'train', so 3 of its 4 data files are not read: {root / 'data' / 'notes.jsonl.gz'} (no split), "
+            f"{root / 'data' / 'test.jsonl.gz'} (split 'test'), {root / 'data' / 'validation.jsonl.gz'} (split "
+            f"'validation'); to read every file, pass a glob: --source 'h={root}/**/*.jsonl.gz'")
 
 
 @pytest.mark.parametrize("write", [write_readme_layout, write_file_name_layout])
 def test_hub_layout_folder_reads_exactly_one_split(tmp_path, splits, capsys, write):
-    write(tmp_path / "hub", splits)
+    warning = write(tmp_path / "hub", splits)
     meta = prepare(tmp_path / "default", f"h={tmp_path / 'hub'}", val_fraction=0)
     assert split_documents(tmp_path / "default", "train") == encoded(splits["train"])  # no test text leaks in
     assert meta["source_stats"]["h"]["split"] == "train"
     out, err = capsys.readouterr()
     assert f"(split 'train' of {tmp_path / 'hub'})" in out
-    unread = "1 data files in" in err and f"are not read, e.g. {tmp_path / 'hub' / 'data' / 'notes.txt'}" in err
-    assert unread == (write is write_file_name_layout)
+    assert warning in err.splitlines(), err  # every file not read is named
     prepare(tmp_path / "test", f"h={tmp_path / 'hub'},split=test", val_fraction=0)
     assert split_documents(tmp_path / "test", "train") == encoded(splits["test"])
     assert f"(split 'test' of {tmp_path / 'hub'})" in capsys.readouterr().out
@@ -284,6 +289,50 @@ def test_hub_layout_folder_reads_exactly_one_split(tmp_path, splits, capsys, wri
         assert split_documents(tmp_path / "cfg", "train") == encoded(splits["validation"])
     with pytest.raises(SystemExit, match=r"no split 'dev'; datasets finds \[.*'test'.*\].*pass split=NAME"):
         prepare(tmp_path / "x", f"h={tmp_path / 'hub'},split=dev")
+
+
+def test_folder_files_that_split_inference_drops_are_all_named_with_a_glob_that_reads_them(tmp_path, capsys):
+    books = tmp_path / "books"  # plain .txt files, one of which happens to name a split
+    books.mkdir()
+    for name, text in [("book1.txt", "one\n"), ("book2.txt", "two\n"), ("validation_notes.txt", "three\n")]:
+        (books / name).write_text(text)
+    message = one_line_error(tmp_path / "o", f"b={books},sample_by=line")
+    glob_fix = f"--source 'b={books}/**/*.txt,sample_by=line'"  # the source's options are kept
+    assert message == (f"error: source b: datasets splits {books} by file names (validation) and finds no split "
+                       f"'train', so 3 of its 3 data files are not read: {books / 'book1.txt'} (no split), "
+                       f"{books / 'book2.txt'} (no split), {books / 'validation_notes.txt'} (split 'validation'); to "
+                       f"read every file, pass a glob: {glob_fix} (or pick a split with split=NAME)"), message
+    prepare(tmp_path / "all", glob_fix.split(" ", 1)[1].strip("'"), val_fraction=0)
+    assert sorted(decoded_docs(tmp_path / "all", "train")) == ["one", "three", "two"]
+
+    (books / "train_a.txt").write_text("four\n")  # now a train split exists: the rest is dropped, with a warning
+    capsys.readouterr()
+    prepare(tmp_path / "train", f"b={books}", val_fraction=0)
+    assert decoded_docs(tmp_path / "train", "train") == ["four\n"]
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"warning: source b: datasets splits {books} by file names (train, validation) and reads split 'train', so 3 "
+        f"of its 4 data files are not read: {books / 'book1.txt'} (no split), {books / 'book2.txt'} (no split), "
+        f"{books / 'validation_notes.txt'} (split 'validation'); to read every file, pass a glob: "
+        f"--source 'b={books}/**/*.txt'")
+
+
+def test_folder_of_mixed_formats_or_no_data_is_a_one_line_error(tmp_path):
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.txt").write_text("plain text\n")
+    write_jsonl(mixed / "b.jsonl", ["json one"])
+    write_jsonl(mixed / "c.jsonl", ["json two"])
+    message = one_line_error(tmp_path / "o", f"m={mixed}")  # datasets read only the .jsonl files, silently
+    fixes = [f"--source 'm_text={mixed}/**/*.txt'", f"--source 'm_json={mixed}/**/*.jsonl'"]
+    assert message == (f"error: source m: {mixed} mixes formats (1 .txt and 2 .jsonl files) and datasets reads one "
+                       f"format per folder, dropping the others: make a source of each, e.g. {' '.join(fixes)}")
+    meta = prepare(tmp_path / "both", *(f.split(" ", 1)[1].strip("'") for f in fixes), val_fraction=0)
+    assert {name: st["read_docs"] for name, st in meta["source_stats"].items()} == {"m_text": 1, "m_json": 2}
+    (tmp_path / "empty" / ".cache").mkdir(parents=True)  # hidden files are not data, as datasets sees it
+    (tmp_path / "empty" / ".cache" / "x.txt").write_text("hidden\n")
+    assert one_line_error(tmp_path / "o", f"e={tmp_path / 'empty'}") == (
+        f"error: source e: {tmp_path / 'empty'} holds no data files (.txt, .jsonl, .json, .parquet, optionally "
+        f".gz/.bz2/.xz): put the corpus there or pass the files or a glob")
 
 
 def test_save_to_disk_folders(tmp_path, splits, capsys):
@@ -449,6 +498,25 @@ def test_val_split_disjoint_by_document_and_seeded(tmp_path):
         splits[len(splits)] = (seed, sorted(val))
     assert splits[0][1] == splits[1][1]  # same seed, same val documents
     assert splits[0][1] != splits[2][1]  # another seed, another split
+
+
+def test_no_val_split_warning_says_what_would_help(tmp_path, capsys):
+    (tmp_path / "poem.txt").write_text("one paragraph\nof three\nlines\n")  # sample_by=paragraph already
+    prepare(tmp_path / "p", f"a={tmp_path / 'poem.txt'}")
+    err = capsys.readouterr().err
+    assert ("warning: source a has no val split: it is one document (30 tokens); cut it into more with "
+            "sample_by=line (.txt files) or sep=STRING (cuts documents at that string)") in err, err
+    assert "val" in prepare(tmp_path / "l", f"a={tmp_path / 'poem.txt'},sample_by=line")["splits"]  # the advice works
+    assert "no val split" not in capsys.readouterr().err
+    prepare(tmp_path / "d", f"a={tmp_path / 'poem.txt'},sample_by=document")
+    assert "more with sample_by=paragraph or sample_by=line (.txt files) or sep=STRING" in capsys.readouterr().err
+    # many documents, but a share smaller than one of them
+    a = write_jsonl(tmp_path / "a.jsonl", random_docs(50, "abcdef ", seed=1, lo=100, hi=120))
+    b = write_jsonl(tmp_path / "b.jsonl", random_docs(50, "uvwxyz ", seed=2))
+    prepare(tmp_path / "m", f"a={a},weight=0.01", f"b={b},weight=0.99", max_tokens=2000)
+    assert ("warning: source a has no val split: its share of the mixture (20 tokens) is filled by the first of its "
+            "50 documents drawn; raise the share (weight=, max_tokens=, --max-tokens) or cut documents smaller with "
+            "sample_by=line (.txt files) or sep=STRING") in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- crash safety
