@@ -12,7 +12,7 @@ anchor_data() {  # anchor_data NAME [prepare_data.py anchor options]: data/NAME,
     local out=data/$1; shift
     [ -f $out/meta.json ] || python prepare_data.py anchor --out $out "$@"
 }
-ALL="data phase robust ablate width_lr confirm report"
+ALL="data phase robust ablate width_lr confirm layout report"
 all_anchor_data() {  # every data set of the sections below: the tuned task and the robustness variants
     anchor_data anchor
     anchor_data anchor_heldout24 --heldout 2,4 --mirror-shift -5
@@ -74,6 +74,28 @@ confirm)
     # results/confirm.md, claim 7: the tuned task, both arms, seeds never run in the exploration.
     anchor_data anchor
     $SWEEP --name confirm_anchor --seeds 100,101,102,103,104,105 --arm recipe= --arm baseline=config/_baseline.py
+    ;;
+layout)
+    # Issue 24, item 4: where does the contrast hold? Sequence length {9, 12, 15} x the key's window
+    # {anywhere it fits, the first 5 positions, the last 5}, both arms, 3 seeds, in one sweep whose
+    # arms are {recipe,baseline}_len{N}_{window}. The key is at position p, the held-out pair at p+1
+    # and p+2, the answer after the last input: the window sets the distance between pair and answer.
+    # Two cells ran before with these seeds (len 9 anywhere: anchor_ablate's recipe and baseline; len
+    # 15 anywhere: anchor_len15) and run last here, as reruns of those.
+    arms=()
+    for cell in 9:first 9:last 12:first 12:any 12:last 15:first 15:last 9:any 15:any; do
+        n=${cell%:*} window=${cell#*:}
+        case $window in
+        any) data=$([ $n = 9 ] && echo anchor || echo anchor_len$n); kp=() ;;
+        first) data=anchor_len${n}_first; kp=(--key-positions 0-4) ;;
+        last) data=anchor_len${n}_last; kp=(--key-positions $((n - 7))-$((n - 3))) ;;
+        esac
+        anchor_data $data $([ $n = 9 ] || echo --seq-len $n) "${kp[@]}" || exit 1
+        python results/data_check.py data/$data $data || exit 1
+        arms+=(--arm recipe_len${n}_$window=,data_dir=data/$data,seq_len=$n
+               --arm baseline_len${n}_$window=config/_baseline.py,data_dir=data/$data,seq_len=$n)
+    done
+    $SWEEP --name anchor_layout --seeds 0,1,2 "${arms[@]}"
     ;;
 report)
     python eval.py report results/anchor_phase.json --plot-x gamma --plot-y model.n_layer \
