@@ -193,6 +193,43 @@ def test_header_and_size_validation(tmp_path):
         P.load_meta(str(out))
 
 
+def edit_ids(shard, edit):
+    """Edit a shard's token ids in place, header untouched: what a stray write or a bad copy does."""
+    n_tokens, n_docs = (int(v) for v in P.HEADER.unpack(open(shard, "rb").read(P.HEADER.size))[3:5])
+    tokens = np.memmap(shard, np.uint16, "r+", offset=P.HEADER_BYTES + 16 * n_docs, shape=(n_tokens,))
+    edit(tokens)
+    tokens.flush()
+
+
+def set_every_50th_id(shard, value):
+    edit_ids(shard, lambda tokens: tokens.__setitem__(slice(None, None, 50), value))
+
+
+def test_loader_checks_the_token_ids_in_the_shard_bytes(tmp_path):
+    """meta.json still vouches for the shard (its max id and sha256), the bytes hold ids past
+    the vocab: the loader (train.py's and eval.py's) refuses when it opens the shard."""
+    out, shard = make_shard_folder(tmp_path)
+    P.TokenLoader(str(out), "train", 2, 8)
+    set_every_50th_id(shard, 300)
+    with pytest.raises(ValueError) as e:
+        P.TokenLoader(str(out), "train", 2, 8)
+    assert str(e.value) == (f"{shard} holds token ids up to 300, meta.json recorded 256: the shard changed after "
+                            f"prepare_data.py wrote it; re-run prepare_data.py for this folder")
+    edit_ids(shard, lambda tokens: tokens.__setitem__(tokens > 99, 97))  # ids in range, the largest not the recorded one
+    with pytest.raises(ValueError, match="holds token ids up to 99, meta.json recorded 256"):
+        P.TokenLoader(str(out), "train", 2, 8)
+    # a folder from before meta.json recorded max ids: checked against the vocab when a batch first reads the shard
+    meta = json.loads((out / "meta.json").read_text())
+    del meta["splits"]["train"]["shard_max_id"]
+    (out / "meta.json").write_text(json.dumps(meta))
+    set_every_50th_id(shard, 300)
+    loader = P.TokenLoader(str(out), "train", 2, 8)
+    with pytest.raises(ValueError) as e:
+        loader.next_batch()
+    assert str(e.value) == (f"{shard} holds token id 300, past the data's vocab (bytes, 257 ids): the shard changed "
+                            f"after prepare_data.py wrote it; re-run prepare_data.py for this folder")
+
+
 def test_loader_argument_errors(tmp_path):
     out, _ = make_shard_folder(tmp_path)
     with pytest.raises(ValueError, match="no split 'val'"):
