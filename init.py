@@ -15,6 +15,13 @@ This file imports only torch and the standard library: copy it into another code
 
 For Hugging Face transformers models pass fan_in_dims=HF_LAYOUTS (stacked MoE experts, routers).
 
+It also audits every norm's ε. RMSNorm divides by sqrt(mean(x²) + ε), and at init the residual
+stream entering a norm has mean square ≈ d^-2γ (d the normalised width; the token embedding's
+scale, the smallest the stream is), so what matters is r = ε·d^2γ: the norm outputs RMS
+1/sqrt(1+r) instead of 1. At d=2048, γ=1, ε=1e-5 (Llama 2 and 3), r = 42: the norm outputs
+RMS 0.15 and scales with its input, it does not normalise. Every norm with r >= 0.1 is named in
+the report and in one warning. A norm whose ε it cannot read is not audited.
+
 Every parameter is drawn from its own generator, seeded from `seed` and the parameter's
 name, on the CPU, as a full tensor. So the weights do not depend on the order modules are
 visited, on the device, or on how the model is sharded: under FSDP2 each rank fills its own
@@ -73,6 +80,103 @@ def _norm_gain(module):
     if at_0.abs().sum() > 0 and torch.allclose(at_1, 2 * at_0, rtol=1e-4, atol=0):
         return "offset"
     return None
+
+
+# Batch, instance and group norms are not audited: they follow convolutions, whose output scale
+# is set by the convolution's fan-in, not by the width the norm normalises.
+_NOT_AUDITED = (nn.GroupNorm, nn.modules.batchnorm._NormBase)
+
+# Where a norm keeps its ε: torch and most code use eps, HF's Llama family variance_epsilon.
+_EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
+# A norm that keeps none, in a Hugging Face model, is built from one of these config fields.
+_CONFIG_EPS_ATTRS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
+
+# r from which ε visibly rules the norm: output RMS 1/sqrt(1.1) = 0.95 instead of 1.
+EPS_RATIO_LIMIT = 0.1
+
+
+def _norm_eps(module, config):
+    """(ε, where it was read) for a norm, or (None, None) when it cannot be read."""
+    for attr in _EPS_ATTRS:
+        if hasattr(module, attr):
+            value = getattr(module, attr)
+            if value is None and isinstance(module, nn.RMSNorm):
+                # torch then adds finfo(x.dtype).eps: 1.2e-7 for float32 inputs, 7.8e-3 for bf16.
+                weight = module.weight
+                dtype = weight.dtype if weight is not None else torch.get_default_dtype()
+                return torch.finfo(dtype).eps, f"eps=None: torch uses finfo({dtype}).eps"
+            try:
+                return float(value), attr
+            except (TypeError, ValueError):
+                return None, None
+    for attr in _CONFIG_EPS_ATTRS:
+        value = getattr(config, attr, None)
+        if isinstance(value, (int, float)):
+            return float(value), f"config.{attr}"
+    return None, None
+
+
+def _norm_width(module):
+    """The number of features a norm averages over, or None (a container named *Norm*)."""
+    shape = getattr(module, "normalized_shape", None)
+    if isinstance(shape, int):
+        return shape
+    if isinstance(shape, (tuple, list, torch.Size)):
+        return math.prod(shape)
+    weight = module._parameters.get("weight")
+    return weight.shape[0] if weight is not None and weight.dim() == 1 else None
+
+
+def _suggested_eps(d, gamma):
+    # 1e-12 (model.py's default) unless even that is not 100x below d^-2γ (γ well above 1);
+    # in log space, where d^-2γ cannot underflow to 0.
+    return min(1e-12, 10.0 ** math.floor(-2 - 2 * gamma * math.log10(d)))
+
+
+def _eps_audit(module, gamma):
+    """One report row per norm whose ε is at least EPS_RATIO_LIMIT times its input's mean square
+    at init, d^-2γ. That estimate is the embedding's scale; a norm fed by a projection of a
+    normalised vector (q/k norms) sees mean square d_model^(1-2γ) instead, so its r is a guide.
+    ε is taken to sit inside the square root, as in torch's and transformers' norms."""
+    config = getattr(module, "config", None)
+    rows = []
+    for name, mod in module.named_modules():
+        if not _is_norm(mod) or isinstance(mod, _NOT_AUDITED):
+            continue
+        d = _norm_width(mod)
+        eps, source = _norm_eps(mod, config)
+        if d is None or eps is None:
+            continue
+        mean_square = float(d) ** (-2 * gamma)
+        r = eps / mean_square
+        if r < EPS_RATIO_LIMIT:
+            continue
+        reason = (f"eps {eps:g} ({source}), input mean square at init d^-2γ = {mean_square:.2g}: r = {r:.3g}, "
+                  f"output RMS {(1 + r) ** -0.5:.2g} not 1; use eps <= "
+                  f"{_suggested_eps(d, gamma):g} under γ={gamma:g}, or accept that this norm will not normalize")
+        rows.append({"name": clean_name(name), "shape": (d,), "d_in": None, "gamma": float(gamma), "std": None,
+                     "action": "eps", "reason": reason, "eps": eps, "d": d, "r": r})
+    return rows
+
+
+def _eps_warning(rows, gamma):
+    # Identical norms (same ε and width) in one group, named by their path with layer indices as *.
+    groups = {}
+    for row in rows:
+        pattern = ".".join("*" if part.isdigit() else part for part in row["name"].split("."))
+        names = groups.setdefault((row["eps"], row["d"]), {})
+        names[pattern] = names.get(pattern, 0) + 1
+    parts = []
+    for (eps, d), names in groups.items():
+        count, shown = sum(names.values()), list(names)
+        listed = ", ".join(shown[:4]) + (", ..." if len(shown) > 4 else "")
+        r = eps * float(d) ** (2 * gamma)
+        parts.append(f"{count} norm{'s' if count > 1 else ''} ({listed}) eps {eps:g}, d {d}: r = {r:.3g}")
+    suggested = min(_suggested_eps(row["d"], gamma) for row in rows)
+    return (f"gamma_init_: {len(rows)} norm(s) have eps >= {EPS_RATIO_LIMIT:g} x their input's mean square at "
+            f"init (d^-2γ, r = eps·d^2γ; output RMS 1/sqrt(1+r) instead of 1): " + "; ".join(parts)
+            + f". Fix: use eps <= {suggested:g} under γ={gamma:g}, or accept that these norms will not normalize "
+            f"(rows 'eps' in the report)")
 
 
 def _declared_dim(module, param_name, fan_in_dims):
@@ -194,7 +298,9 @@ def gamma_init_(module, gamma=1.0, seed=0, overrides=None, fan_in_dims=None,
     embedding_fan_in: "embedding_dim" (default: token vectors start at RMS d^-γ, the scale the
                       residual-stream balance assumes) or "num_embeddings".
 
-    Returns a list of rows {name, shape, d_in, gamma, std, action, reason}.
+    Returns a list of rows {name, shape, d_in, gamma, std, action, reason}, one per parameter,
+    then one per norm module whose ε rules it at init (action "eps", name the module's, shape
+    (d,), and also eps, d and r = ε·d^2γ), which are also warned about together.
     """
     if embedding_fan_in not in ("embedding_dim", "num_embeddings"):
         raise ValueError(f"embedding_fan_in={embedding_fan_in!r}: use 'embedding_dim' or 'num_embeddings'")
@@ -229,7 +335,10 @@ def gamma_init_(module, gamma=1.0, seed=0, overrides=None, fan_in_dims=None,
     skipped = [r["name"] for r in report if r["action"] == "skipped"]
     if skipped:
         warnings.warn(f"gamma_init_ left {len(skipped)} parameter(s) untouched (see the report): {', '.join(skipped)}")
-    return report
+    eps_rows = _eps_audit(module, gamma)
+    if eps_rows:
+        warnings.warn(_eps_warning(eps_rows, gamma))
+    return report + eps_rows
 
 
 def format_report(report):

@@ -2,10 +2,12 @@
 import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -196,6 +198,72 @@ def test_norms_get_gain_one_whichever_way_they_apply_their_weight():
     # Neither form (or not runnable on one input): reported, warned about and left as it was.
     for name in ("exp", "gated"):
         assert report[f"{name}.weight"]["action"] == "skipped" and torch.all(net[name].weight == 5)
+
+
+def _init_recording_warnings(model, init=gamma_init_, **kw):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = init(model, **kw)
+    return {r["name"]: r for r in report if r["action"] == "eps"}, [str(w.message) for w in caught]
+
+
+def _output_rms_at_init_scale(norm, d, gamma):
+    # Rows of mean 0 and mean square exactly d^-2γ (the stream at init); zero mean so that a
+    # LayerNorm's variance is that mean square too.
+    x = torch.randn(4, d, generator=torch.Generator().manual_seed(0))
+    x = x - x.mean(-1, keepdim=True)
+    x = x / x.pow(2).mean(-1, keepdim=True).sqrt() * d ** -gamma
+    return norm(x).pow(2).mean(-1).sqrt()
+
+
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
+def test_eps_audit_on_model_py(norm):
+    # The default eps 1e-12 at d=2048, γ=1: r = 1e-12 * 2048^2 = 4e-6, silent.
+    big = GPT(GPTConfig(vocab_size=16, n_layer=1, n_head=32, d_model=2048, d_ff=16, norm=norm))
+    flagged, caught = _init_recording_warnings(big, init=init_model_, gamma=1.0)
+    assert flagged == {} and caught == []
+    # eps 1e-5 at d=128: r = 1e-5 * 128^2 = 0.164, so the norm outputs RMS 0.93, not 1.
+    model = GPT(GPTConfig(vocab_size=16, n_layer=1, n_head=2, d_model=128, d_ff=16, norm=norm, norm_eps=1e-5))
+    flagged, (message,) = _init_recording_warnings(model, init=init_model_, gamma=1.0)
+    r = 1e-5 * 128 ** 2
+    assert set(flagged) == {"layers.0.attn_norm", "layers.0.mlp_norm", "norm"}
+    assert f"3 norms (layers.*.attn_norm, layers.*.mlp_norm, norm) eps 1e-05, d 128: r = {r:.3g}" in message
+    rms = _output_rms_at_init_scale(model.norm, 128, 1.0)
+    assert torch.allclose(rms, torch.full_like(rms, (1 + r) ** -0.5), rtol=1e-4)
+
+
+class NormReadingConfig(nn.Module):  # holds no eps: it uses its model's config.rms_norm_eps
+    def __init__(self, d, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self._hidden = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self._hidden) * self.weight
+
+
+def test_eps_audit_on_torch_norms_and_a_config_eps():
+    d = 2048
+    net = nn.ModuleDict({
+        "ln": nn.LayerNorm(d),                                    # eps 1e-5: r = 42
+        "ln_plain": nn.LayerNorm(d, elementwise_affine=False),    # no weight: d from normalized_shape
+        "rms_default": nn.RMSNorm(d),                             # eps None: finfo(float32).eps, r = 0.5
+        "rms_tiny": nn.RMSNorm(d, eps=1e-12),                     # r = 4e-6
+        "bn": nn.BatchNorm1d(d),                                  # follows convs: not audited
+        "custom": NormReadingConfig(d, 1e-6),                     # eps from config: r = 4.2
+    })
+    net.config = type("Config", (), {"rms_norm_eps": 1e-6})()
+    flagged, (message,) = _init_recording_warnings(net, gamma=1.0)
+    assert set(flagged) == {"ln", "ln_plain", "rms_default", "custom"}
+    # Each reported r is the one torch's own forward obeys: output RMS 1/sqrt(1+r).
+    for name, row in flagged.items():
+        r = float(re.search(r"r = ([0-9.e+-]+)", row["reason"]).group(1))
+        rms = _output_rms_at_init_scale(net[name], d, 1.0)
+        assert torch.allclose(rms, torch.full_like(rms, (1 + r) ** -0.5), rtol=2e-3), (name, rms, r)
+    assert "finfo" in flagged["rms_default"]["reason"] and "config.rms_norm_eps" in flagged["custom"]["reason"]
+    assert f"2 norms (ln, ln_plain) eps 1e-05, d 2048: r = {1e-5 * d ** 2:.3g}" in message
+    rms = _output_rms_at_init_scale(net["rms_tiny"], d, 1.0)
+    assert torch.allclose(rms, torch.ones_like(rms), rtol=1e-4)
 
 
 def test_fan_in_dims_keys_may_be_class_name_regexes_and_values_functions():

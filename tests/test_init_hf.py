@@ -249,3 +249,71 @@ def test_readme_hf_recipe_survives_post_init_init_weights_and_save_load(tmp_path
     model.apply(model._init_weights)
     for layer in model.model.layers:
         assert_std("q_proj after _init_weights", layer.self_attn.q_proj.weight, cfg.initializer_range)
+
+
+# The ε audit at a real width. At init the residual stream entering a norm has mean square
+# d^-2γ, so RMSNorm's sqrt(mean(x²) + ε) is ruled by ε once r = ε·d^2γ is not small: at d=2048,
+# γ=1, ε=1e-5, r = 42 and the norm outputs RMS 1/sqrt(1+r) = 0.15 instead of 1.
+def _dense_2048(family, eps):
+    # Cheap at full width: one head of 64, a 16-wide MLP, a 16-token vocab.
+    return getattr(transformers, f"{family}Config")(
+        vocab_size=16, hidden_size=2048, intermediate_size=16, num_hidden_layers=2, num_attention_heads=1,
+        num_key_value_heads=1, head_dim=64, rms_norm_eps=eps)
+
+
+# Where a 2-layer Llama, Qwen2 or Gemma keeps its norms (read off their modeling files).
+DECODER_NORMS = {f"model.layers.{i}.{n}" for i in range(2) for n in ("input_layernorm", "post_attention_layernorm")}
+DECODER_NORMS.add("model.norm")
+
+
+def init_recording_warnings(model, **kw):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = gamma_init_(model, **kw)
+    return report, [str(w.message) for w in caught]
+
+
+def output_rms_at_init_scale(norm, d, gamma):
+    # A stream whose every row has mean square exactly d^-2γ: the norm's input at init.
+    x = torch.randn(4, d, generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    x = x / x.pow(2).mean(-1, keepdim=True).sqrt() * d ** -gamma
+    return norm(x).pow(2).mean(-1).sqrt()
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen2", "Gemma"])
+@pytest.mark.parametrize("eps,gamma", [(1e-5, 1.0), (1e-6, 1.0), (1e-5, 0.5), (1e-6, 0.5), (1e-12, 1.0)])
+def test_eps_audit_names_the_norms_that_will_not_normalize(family, eps, gamma):
+    cfg = _dense_2048(family, eps)
+    model = build(cfg)
+    report, caught = init_recording_warnings(model, gamma=gamma, seed=0)
+    d = cfg.hidden_size
+    r = cfg.rms_norm_eps * d ** (2 * gamma)  # from the config, by hand
+    # What r means, on the model's own norm (Gemma's x̂·(1+w) included): output RMS 1/sqrt(1+r).
+    rms = output_rms_at_init_scale(model.model.norm, d, gamma)
+    assert torch.allclose(rms, torch.full_like(rms, (1 + r) ** -0.5), rtol=1e-4), (rms, r)
+    flagged = {row["name"]: row for row in report if row["action"] == "eps"}
+    if r < 0.1:  # γ=0.5: r = ε·d ≤ 0.02; ε=1e-12: r = 4e-6
+        assert flagged == {} and caught == [], (flagged, caught)
+        return
+    assert set(flagged) == DECODER_NORMS
+    assert all(f"r = {r:.3g}" in row["reason"] and "1e-12" in row["reason"] for row in flagged.values())
+    # One warning, the five identical norms in one group.
+    (message,) = caught
+    assert (f"5 norms (model.layers.*.input_layernorm, model.layers.*.post_attention_layernorm, model.norm) "
+            f"eps {eps:g}, d 2048: r = {r:.3g}") in message, message
+    assert "use eps <= 1e-12 under γ=1, or accept that" in message
+
+
+def test_eps_audit_groups_norms_by_width_qwen3_qk_norms():
+    # Qwen3's q/k norms normalise head_dim (128), not hidden: a group of their own, with r = ε·128^2γ.
+    cfg = transformers.Qwen3Config(vocab_size=16, hidden_size=2048, intermediate_size=16, num_hidden_layers=1,
+                                   num_attention_heads=1, num_key_value_heads=1, head_dim=128, rms_norm_eps=1e-5)
+    model = build(cfg)
+    report, (message,) = init_recording_warnings(model, gamma=1.0)
+    flagged = {row["name"] for row in report if row["action"] == "eps"}
+    assert flagged == {"model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm", "model.norm",
+                       "model.layers.0.self_attn.q_norm", "model.layers.0.self_attn.k_norm"}
+    assert (f"3 norms (model.layers.*.input_layernorm, model.layers.*.post_attention_layernorm, model.norm) "
+            f"eps 1e-05, d 2048: r = {1e-5 * 2048 ** 2:.3g}") in message
+    assert f"2 norms (model.layers.*.self_attn.q_norm, model.layers.*.self_attn.k_norm) eps 1e-05, d 128: " \
+           f"r = {1e-5 * 128 ** 2:.3g}" in message
