@@ -14,16 +14,25 @@ holds sweep_point.json (written last, atomically, after the evaluations): a seco
 it. A killed point is simply run again: train.py resumes from its newest complete checkpoint
 and the evaluations are redone. Points run as subprocesses with one thread each (--jobs N side
 by side), so a sweep never changes the code path a single `python train.py` takes.
+
+A sweep holds a lock on each point it works on (run folder's sweep.lock): a second sweep of the
+same name skips the points the first one is running (reported as skipped, busy) instead of
+failing on them. SIGTERM or SIGINT stops the running points' processes before the sweep exits;
+on Linux they are also stopped when the sweep is SIGKILLed.
 """
 
 import argparse
+import ctypes
+import fcntl
 import glob
 import itertools
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
@@ -210,26 +219,116 @@ def point_result(args, point, run_dir, wall_s, command):
             "machine": machine()}
 
 
+class PointBusy(Exception):
+    """Another live sweep (the same --name, started twice) is running this point."""
+
+
+def lock_point(run_dir):
+    """An exclusive OS lock on run_dir/sweep.lock for as long as this sweep works on the point,
+    released by the kernel when the sweep dies (no stale lock after a kill). It covers training
+    and the evaluations, where train.py's own lock covers only training. The file says who
+    holds it, for the sibling's message."""
+    fd = os.open(os.path.join(run_dir, "sweep.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 512).decode(errors="replace").strip() or "another sweep"
+        os.close(fd)
+        raise PointBusy(f"{run_dir} is being run by {holder}") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"sweep.py pid {os.getpid()} on host {platform.node()}\n".encode())
+    return fd
+
+
+# The points' running processes, for stop_children. Each runs in its own session (process
+# group): a signal sent to the sweep's group (Ctrl-C in a terminal) does not reach them
+# half-way through a checkpoint; the sweep stops each group as a whole, itself.
+CHILDREN, CHILDREN_LOCK, STOPPING = set(), threading.Lock(), threading.Event()
+LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_sweep():
+    """Runs in the child before it execs (Linux): SIGTERM when the thread that started it dies,
+    which covers a SIGKILLed sweep, the one death no handler sees. A sweep that died before
+    the request took effect has already orphaned the child: it exits instead."""
+    parent = os.getpid()
+
+    def request():
+        LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
+    return request if LIBC is not None else None
+
+
+def run_child(cmd, log, env):
+    """Run cmd to the end in its own session; its exit code. Nothing starts once the sweep is
+    stopping."""
+    with CHILDREN_LOCK:  # with stop_children's, so no child starts unseen by it
+        if STOPPING.is_set():
+            raise RuntimeError("the sweep is stopping")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=die_with_sweep())
+        CHILDREN.add(proc)
+    try:
+        return proc.wait()
+    finally:
+        with CHILDREN_LOCK:
+            CHILDREN.discard(proc)
+
+
+def stop_children(grace_s=10):
+    """SIGTERM every running point's process group, SIGKILL what still runs after grace_s, and
+    wait for them: a stopped sweep leaves no training behind to hold the run folder."""
+    STOPPING.set()
+    with CHILDREN_LOCK:
+        running = list(CHILDREN)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for proc in running:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:  # ended already
+                pass
+        deadline = time.time() + grace_s
+        for proc in running:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+        running = [proc for proc in running if proc.returncode is None]
+        if not running:
+            return
+
+
 def run_point(args, point, run_dir):
-    """Train (or resume) and evaluate one point; returns its result row. Output goes to
-    run_dir/sweep.log so side-by-side points don't interleave on the console."""
+    """Train (or resume) and evaluate one point; returns its result row, or None when a sibling
+    sweep finished it meanwhile. Output goes to run_dir/sweep.log so side-by-side points don't
+    interleave on the console."""
+    if STOPPING.is_set():  # a point queued behind the running ones when the sweep was stopped
+        raise RuntimeError("the sweep is stopping")
     os.makedirs(run_dir, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "EVAL_THREADS": "1"}
-    train = [sys.executable, os.path.join(HERE, "train.py"), *train_args(args, point, run_dir)]
-    evals = [[sys.executable, os.path.join(HERE, c[0]), *c[1:]] for c in eval_commands(args, run_dir).values()]
-    start = time.time()
-    with open(os.path.join(run_dir, "sweep.log"), "a") as log:
-        for cmd in [train, *evals]:
-            log.write(f"$ {' '.join(cmd)}\n")
-            log.flush()
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-            if proc.returncode != 0:
-                raise RuntimeError(f"point {point['name']}: {os.path.basename(cmd[1])} exited {proc.returncode}; "
-                                   f"see {os.path.join(run_dir, 'sweep.log')}")
-    # Recorded as a user would type it from the repo root (no path of this machine).
-    row = point_result(args, point, run_dir, time.time() - start, ["python", "train.py", *train[2:]])
-    write_json(os.path.join(run_dir, "sweep_point.json"), row)
-    return row
+    lock = lock_point(run_dir)
+    try:
+        if finished(run_dir):  # a sibling sweep finished it after this one listed its points
+            return None
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "EVAL_THREADS": "1"}
+        train = [sys.executable, os.path.join(HERE, "train.py"), *train_args(args, point, run_dir)]
+        evals = [[sys.executable, os.path.join(HERE, c[0]), *c[1:]] for c in eval_commands(args, run_dir).values()]
+        start = time.time()
+        with open(os.path.join(run_dir, "sweep.log"), "a") as log:
+            for cmd in [train, *evals]:
+                log.write(f"$ {' '.join(cmd)}\n")
+                log.flush()
+                returncode = run_child(cmd, log, env)
+                if returncode != 0:
+                    raise RuntimeError(f"point {point['name']}: {os.path.basename(cmd[1])} exited {returncode}; "
+                                       f"see {os.path.join(run_dir, 'sweep.log')}")
+        # Recorded as a user would type it from the repo root (no path of this machine).
+        row = point_result(args, point, run_dir, time.time() - start, ["python", "train.py", *train[2:]])
+        write_json(os.path.join(run_dir, "sweep_point.json"), row)
+        return row
+    finally:
+        os.close(lock)
 
 
 def finished(run_dir):
@@ -274,8 +373,8 @@ def build_parser():
     p.add_argument("--eval", default="loss", help="comma-separated eval.py analyses per point (loss, sink, anchor)")
     p.add_argument("--eval-tokens", type=at_least(1), default=262144, help="validation tokens per evaluation")
     p.add_argument("--jobs", type=at_least(1), default=1, help="points side by side, one thread each")
-    p.add_argument("--out-root", default="out/sweeps")
-    p.add_argument("--results-dir", default="results")
+    p.add_argument("--out-root", default="out/sweeps", help="parent of the sweep's folder: <out-root>/<name>/<point>/")
+    p.add_argument("--results-dir", default="results", help="where <name>.json, one row per finished point, is written")
     p.add_argument("--dry-run", action="store_true", help="list the points and their commands; run nothing")
     p.add_argument("--print-commands", action="store_true", help="one torchrun command per point (for a scheduler)")
     p.add_argument("--nproc", type=at_least(1), default=8, help="--print-commands: GPUs per point")
@@ -318,31 +417,49 @@ def main(argv=None):
     pending = [(pt, d) for pt, d in todo if not finished(d)]
     print(f"sweep {args.name}: {len(todo)} points, {len(todo) - len(pending)} finished, {len(pending)} to run "
           f"({args.jobs} at a time)", flush=True)
-    failures = run_all(args, pending, todo)
+    def stop(signum, frame):
+        stop_children()
+        print(f"sweep {args.name}: stopped by {signal.Signals(signum).name}, and its running points with it; "
+              "the same command resumes them", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)  # what a shell reports for a death by that signal
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    failures, busy = run_all(args, pending, todo)
     write_results(args, todo)
     print(f"wrote {os.path.join(args.results_dir, args.name + '.json')}", flush=True)
+    if busy:
+        print(f"{len(busy)} point(s) skipped as busy in another live sweep of this name: run this command again "
+              "once it has ended to gather their rows", flush=True)
     if failures:
         raise SystemExit("error: " + "; ".join(failures))
 
 
 def run_all(args, pending, todo):
     """Up to --jobs points at once (threads only wait on subprocesses); results/<name>.json is
-    rewritten as each point lands, so a killed sweep keeps everything finished before it."""
-    failures = []
+    rewritten as each point lands, so a killed sweep keeps everything finished before it.
+    Returns (failures, points skipped as busy)."""
+    failures, busy = [], []
     with ThreadPoolExecutor(args.jobs) as pool:
         futures = {pool.submit(run_point, args, pt, d): pt for pt, d in pending}
         for fut in as_completed(futures):
             pt = futures[fut]
             try:
                 row = fut.result()
-                loss = row["final_val_loss"]  # train.py's last evaluation (every --eval may lack a loss)
-                print(f"done {pt['name']}: final val loss {loss if loss is None else round(loss, 4)} "
-                      f"in {row['wall_s']:.0f}s", flush=True)
+                if row is None:
+                    print(f"skipped {pt['name']}: finished by another sweep meanwhile", flush=True)
+                else:
+                    loss = row["final_val_loss"]  # train.py's last evaluation (every --eval may lack a loss)
+                    print(f"done {pt['name']}: final val loss {loss if loss is None else round(loss, 4)} "
+                          f"in {row['wall_s']:.0f}s", flush=True)
+            except PointBusy as e:
+                busy.append(pt["name"])
+                print(f"skipped (busy) {pt['name']}: {e}", flush=True)
             except RuntimeError as e:
                 failures.append(str(e))
                 print(f"failed {e}", flush=True)
             write_results(args, todo)
-    return failures
+    return failures, busy
 
 
 if __name__ == "__main__":

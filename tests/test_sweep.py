@@ -1,6 +1,7 @@
 """sweep.py: grid expansion, one-line errors, real 2-step sweeps (results rows against the run
 folders, a second call runs nothing, a killed point resumes to the uninterrupted result), and
 `eval.py report`'s aggregation against hand-computed means, stds and t-intervals."""
+import argparse
 import hashlib
 import importlib.util
 import json
@@ -166,7 +167,7 @@ def test_killed_point_resumes_to_the_uninterrupted_result(data_dir, tmp_path):
         deadline = time.time() + 300
         while not (run / "ckpt_00000003").exists() and time.time() < deadline and proc.poll() is None:
             time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGKILL)  # the sweep and its train.py, mid-run
+        os.killpg(proc.pid, signal.SIGKILL)  # the sweep, mid-run; its train.py (own session) dies with it
         proc.wait()
         assert not (run / "sweep_point.json").exists()
         assert full.wait(timeout=600) == 0, full.stdout.read()
@@ -183,6 +184,110 @@ def test_killed_point_resumes_to_the_uninterrupted_result(data_dir, tmp_path):
         run_dir = tmp_path / "out" / "sweeps" / name / "base-seed0"
         return rows(run_dir, "loss"), rows(run_dir, "val_loss"), row["eval"]["loss"]["summary"]["loss"]
     assert losses("killed") == losses("full")
+
+
+def point_children(pid):
+    """(pid, command line) of every process whose parent is pid, from /proc."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            command = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:  # ended while listed
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append((int(entry), command))
+    return found
+
+
+def started_train(sweep_pid, timeout=300):
+    """The pid of the train.py a sweep started, once it runs."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        pids = [pid for pid, command in point_children(sweep_pid)
+                if any(part.endswith(b"train.py") for part in command)]
+        if pids:
+            return pids[0]
+        time.sleep(0.1)
+    pytest.fail(f"sweep {sweep_pid} started no train.py in {timeout}s")
+
+
+def alive(pid):
+    """Running (a zombie, ended but not yet reaped, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def long_sweep(data, name):
+    """One point that trains far longer than a test waits: it is busy until stopped."""
+    return sweep_args(data, name, 100000) + ["--set", "ckpt_interval=100000", "--set", "eval_interval=100000"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads processes from /proc")
+def test_a_point_busy_in_a_live_sibling_sweep_is_skipped_not_failed(data_dir, tmp_path):
+    args = long_sweep(data_dir, "twin")
+    first = subprocess.Popen([sys.executable, os.path.join(ROOT, "sweep.py"), *args], cwd=tmp_path, env=launch_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    train = None
+    try:
+        train = started_train(first.pid)
+        # The same sweep again, while the first runs its only point
+        second = run_sweep(args, tmp_path)
+        assert second.returncode == 0, second.stdout + second.stderr
+        assert f"skipped (busy) base-seed0: {os.path.join('out', 'sweeps', 'twin', 'base-seed0')} is being run by " \
+               f"sweep.py pid {first.pid}" in second.stdout
+        assert "failed" not in second.stdout and "error" not in second.stderr
+        assert (tmp_path / "out" / "sweeps" / "twin" / "base-seed0" / "sweep.log").read_text().count("$ ") == 1
+        assert alive(train)
+    finally:
+        first.kill()
+        if train and alive(train):
+            os.kill(train, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux",
+                    reason="reads /proc; a SIGKILLed sweep's children get Linux's parent-death signal")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_a_stopped_or_killed_sweep_leaves_no_training_behind(data_dir, tmp_path, sig):
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "sweep.py"), *long_sweep(data_dir, "stopped")],
+                            cwd=tmp_path, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    train = None
+    try:
+        train = started_train(proc.pid)
+        proc.send_signal(sig)  # to the sweep alone, as `kill PID` sends it
+        said, _ = proc.communicate(timeout=120)
+        if sig != signal.SIGKILL:  # handled: the training is stopped and reaped before the sweep exits
+            assert proc.returncode == 128 + sig and f"stopped by {sig.name}" in said, said
+            assert not alive(train)
+        deadline = time.time() + 60  # SIGKILL: no handler runs; the training gets its parent-death signal
+        while alive(train) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not alive(train)
+    finally:
+        proc.kill()
+        if train and alive(train):
+            os.kill(train, signal.SIGKILL)
+
+
+def actions_without_help(parser, prefix=""):
+    """Every argument (options and positionals, subcommands' too) that --help would list bare."""
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                missing += actions_without_help(sub, f"{prefix}{name} ")
+        elif not isinstance(action, argparse._HelpAction) and not action.help:
+            missing.append(prefix + ("/".join(action.option_strings) or action.dest))
+    return missing
+
+
+def test_every_flag_has_help():
+    assert actions_without_help(sweep.build_parser()) == []
 
 
 def synthetic_result(losses_by_arm):
