@@ -4,8 +4,9 @@ The γ initialization rule, for any nn.Module.
 Every weight matrix W with fan-in d_in is drawn from N(0, σ²) with σ = d_in^-γ.
 γ = 0.5 is the usual LeCun/Xavier-style scale; γ = 1 (smaller) is the recommended default.
 Norm weights are set to gain 1 (w=1 for x̂·w; w=0 for offset norms x̂·(1+w), Gemma-style) and
-biases to 0. Anything this file cannot classify is left untouched and reported (and warned
-about), never silently mis-scaled.
+biases to 0, and so are position-bias tables (T5's relative_attention_bias: a bias on the
+attention logits, not an embedding; see POSITION_BIAS_REASON). Anything this file cannot
+classify is left untouched and reported (and warned about), never silently mis-scaled.
 
 This file imports only torch and the standard library: copy it into another codebase and call
 
@@ -218,8 +219,21 @@ HF_LAYOUTS = {
 }
 
 
-def classify(module, param_name, param, fan_in_dims=None, embedding_fan_in="embedding_dim"):
-    """Return (action, d_in, reason): action is "normal", "ones", "zeros" or "skipped"."""
+# T5's relative_attention_bias (also LongT5, UMT5, MPNet, Pix2Struct, ...) is an
+# nn.Embedding(num_buckets, n_heads): one scalar per relative-position bucket and head, added to
+# the attention logits. It is a bias, not a token embedding: the embedding rule would give it
+# d_in = n_heads (std 1/16 at γ=1 for 16 heads), far above the logits q·k, which under γ=1 start
+# near 0 (q and k have RMS d^(1/2-γ)), so attention would start purely positional. It starts at 0
+# like every other bias: positions add nothing at init, and the table still learns from step one,
+# since it enters the logits additively (its gradient is the logits' gradient summed over its bucket).
+# Recognised as an nn.Embedding whose attribute name contains "bias"; for another rule, fill the
+# table yourself after gamma_init_.
+POSITION_BIAS_REASON = "position-bias table (added to attention logits): 0, like a bias, not the embedding rule"
+
+
+def classify(module, param_name, param, fan_in_dims=None, embedding_fan_in="embedding_dim", module_name=""):
+    """Return (action, d_in, reason): action is "normal", "ones", "zeros" or "skipped".
+    module_name (the module's path in the model) tells a position-bias table from an embedding."""
     dim = _declared_dim(module, param_name, fan_in_dims)
     if dim is not None:
         return "normal", param.shape[dim], "declared"
@@ -241,6 +255,8 @@ def classify(module, param_name, param, fan_in_dims=None, embedding_fan_in="embe
     if isinstance(module, nn.Linear) and param_name == "weight":
         return "normal", param.shape[1], "Linear (out, in)"
     if isinstance(module, nn.Embedding) and param_name == "weight":
+        if "bias" in module_name.rsplit(".", 1)[-1]:
+            return "zeros", None, POSITION_BIAS_REASON
         return "normal", getattr(module, embedding_fan_in), f"Embedding ({embedding_fan_in})"
     if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed and param_name == "weight":
         # (out, in/groups, *kernel): every input channel of every kernel tap feeds one output.
@@ -309,17 +325,17 @@ def gamma_init_(module, gamma=1.0, seed=0, overrides=None, fan_in_dims=None,
     for module_name, mod in module.named_modules():
         for param_name, param in mod.named_parameters(recurse=False):
             name = clean_name(f"{module_name}.{param_name}" if module_name else param_name)
-            params.append((name, mod, param_name, param, drawn_as.setdefault(id(param), name)))
+            params.append((name, clean_name(module_name), mod, param_name, param, drawn_as.setdefault(id(param), name)))
     _check_overrides(overrides, params)
     report = []
-    for name, mod, param_name, param, first in params:
+    for name, module_name, mod, param_name, param, first in params:
         row = {"name": name, "shape": tuple(param.shape), "d_in": None, "gamma": None, "std": None}
         if first != name:
             report.append({**row, "action": "tied", "reason": f"same tensor as {first}"})
             continue
         if param.is_meta:
             raise ValueError(f"{name} is on the meta device: call module.to_empty(device=...) before gamma_init_")
-        action, d_in, reason = classify(mod, param_name, param, fan_in_dims, embedding_fan_in)
+        action, d_in, reason = classify(mod, param_name, param, fan_in_dims, embedding_fan_in, module_name)
         if action == "normal":
             g = _gamma_for(name, gamma, overrides)
             std = float(d_in) ** -g
@@ -348,6 +364,9 @@ def format_report(report):
         d_in = "" if r["d_in"] is None else str(r["d_in"])
         g = "" if r["gamma"] is None else f"{r['gamma']:g}"
         std = "" if r["std"] is None else f"{r['std']:.3e}"
-        action = r["action"] if r["action"] in ("normal", "ones", "zeros") else f"{r['action']}: {r['reason']}"
+        # The reason is shown wherever the action alone does not explain the value (a zero that is
+        # not a bias: an offset norm's weight, a position-bias table; anything skipped).
+        plain = r["action"] == "normal" or r["reason"] in ("bias", "norm weight")
+        action = r["action"] if plain else f"{r['action']}: {r['reason']}"
         lines.append(f"{r['name']:<44} {str(r['shape']):<20} {d_in:>7} {g:>6} {std:>10}  {action}")
     return "\n".join(lines)

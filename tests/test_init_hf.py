@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test-only dependency (make test installs it)")
 
-from init import HF_LAYOUTS, gamma_init_  # noqa: E402
+from init import HF_LAYOUTS, format_report, gamma_init_  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,7 +38,8 @@ def assert_std(name, tensor, want):
 
 def check_every_tensor(model, fan_in_rules, gamma):
     """Each parameter must match exactly one (regex, d_in) rule; d_in None means a norm weight
-    (gain 1: weight 1) or a bias (0). Tied aliases are skipped: they are the same tensor."""
+    (gain 1: weight 1) or a bias (0), "zeros" a tensor that must be 0. Tied aliases are skipped:
+    they are the same tensor."""
     seen = set()
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen:
@@ -46,7 +47,7 @@ def check_every_tensor(model, fan_in_rules, gamma):
         seen.add(id(p))
         rules = [d_in for pattern, d_in in fan_in_rules if re.search(pattern, name)]
         assert len(rules) == 1, (name, rules)
-        if name.endswith("bias"):
+        if name.endswith("bias") or rules[0] == "zeros":
             assert torch.all(p == 0), name
         elif rules[0] is None:
             assert torch.all(p == 1), name
@@ -317,3 +318,36 @@ def test_eps_audit_groups_norms_by_width_qwen3_qk_norms():
             f"eps 1e-05, d 2048: r = {1e-5 * 2048 ** 2:.3g}") in message
     assert f"2 norms (model.layers.*.self_attn.q_norm, model.layers.*.self_attn.k_norm) eps 1e-05, d 128: " \
            f"r = {1e-5 * 128 ** 2:.3g}" in message
+
+
+def test_t5_relative_attention_bias_is_a_logit_bias_set_to_zero_and_named():
+    # T5's relative_attention_bias is nn.Embedding(num_buckets, n_heads): one number per bucket
+    # and head, added to the attention logits. Read as a token embedding it would get d_in =
+    # n_heads (std 1/16 at γ=1 for 16 heads) and dominate logits that start near 0.
+    cfg = transformers.T5Config(vocab_size=300, d_model=64, d_kv=16, d_ff=96, num_layers=2, num_decoder_layers=2,
+                                num_heads=16, relative_attention_num_buckets=32)
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(cfg)
+    report = {r["name"]: r for r in init_without_warnings(model, gamma=1.0)}
+    inner = cfg.num_heads * cfg.d_kv
+    check_every_tensor(model, [
+        (r"^shared\.|lm_head\.", cfg.d_model),
+        (r"Attention\.[qkv]\.weight|DenseReluDense\.wi\.weight", cfg.d_model),
+        (r"Attention\.o\.weight", inner),
+        (r"DenseReluDense\.wo\.weight", cfg.d_ff),
+        (r"relative_attention_bias\.weight", "zeros"),
+        (r"layer_norm\.weight", None),
+    ], gamma=1.0)
+    # Only the first block of each stack holds a table (the others reuse its bias).
+    tables = ["decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+              "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]
+    assert sorted(n for n in report if "relative_attention_bias" in n) == tables
+    for name in tables:
+        assert report[name]["action"] == "zeros" and "position-bias table" in report[name]["reason"]
+    # HF's own compute_bias, what forward adds to the logits, is then 0 for every head and offset.
+    for stack in (model.encoder, model.decoder):
+        bias = stack.block[0].layer[0].SelfAttention.compute_bias(9, 9)
+        assert bias.shape == (1, cfg.num_heads, 9, 9) and torch.all(bias == 0)
+    # The printed report says why the table is 0.
+    lines = [line for line in format_report(list(report.values())).splitlines() if "relative_attention_bias" in line]
+    assert len(lines) == 2 and all("position-bias table" in line for line in lines)
