@@ -583,7 +583,8 @@ def at_least(minimum):
 
 def add_arguments(p):
     """The options of `eval.py bench` (its parser gives ckpt, --device, --seed, --json-out, --data)."""
-    p.add_argument("--task", required=True, choices=["hellaswag", "gsm8k", "math500", "anchor"])
+    p.add_argument("--task", required=True, choices=["hellaswag", "gsm8k", "math500", "anchor"],
+                   help="the benchmark (anchor: the anchor-function task on --data)")
     p.add_argument("--source", default="hub", help="local file in its published format (gsm8k/math500 test.jsonl, "
                    "hellaswag_val.jsonl or hellaswag_val_full.txt.bz2), or 'hub' on a connected machine")
     p.add_argument("--tokenizer-dir", help="offline tokenizer files (prepare_data.py --tokenizer-dir)")
@@ -594,9 +595,11 @@ def add_arguments(p):
                    help="gsm8k: exemplars (default 8 of the published set, 5 with --fewshot-source)")
     p.add_argument("--fewshot-source", help="gsm8k: a jsonl of train records; its first --shots are the exemplars "
                    "(one that is also a scored --source item is refused)")
-    p.add_argument("--max-new-tokens", type=at_least(1), default=256)
+    p.add_argument("--max-new-tokens", type=at_least(1), default=256,
+                   help="gsm8k/math500: tokens per completion, at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=at_least(1), default=None)
+    p.add_argument("--top-k", type=at_least(1), default=None, help="sample from the k most likely tokens only "
+                   "(default: all)")
     p.add_argument("--num-samples", type=at_least(1), default=1, help=">1: mean accuracy and majority vote")
 
 

@@ -896,7 +896,8 @@ def build_parser():
         if ckpt:
             p.add_argument("ckpt", help=".pt export, checkpoint folder or run folder")
         if runs_model:
-            p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+            p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                           help="torch device of the model (default: cuda when there is one, else cpu)")
             p.add_argument("--seed", type=int, default=0, help="data order, init and sampling")
         if output:
             p.add_argument("--json-out", help="write the result as JSON here")
@@ -904,36 +905,37 @@ def build_parser():
             p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
         if data:
             p.add_argument("--data", help="data folder from prepare_data.py (default: the run's data_dir)")
-            p.add_argument("--split", default="val")
+            p.add_argument("--split", default="val", help="split of --data to read (val, test, ...)")
             p.add_argument("--tokens", type=at_least(1), default=65536, help="token budget")
-            p.add_argument("--batch-size", type=at_least(1), default=8)
+            p.add_argument("--batch-size", type=at_least(1), default=8, help="sequences per forward")
             p.add_argument("--seq-len", type=at_least(1), default=None,
                            help="default: the run's training seq_len, at most the model's max_seq_len")
         return p
 
     command("loss", run_loss, "validation loss overall and per source", data=True)
     p = command("tokens", run_tokens, "per-token Δsym of A over B by difficulty bucket", data=True, ckpt=False, plot=True)
-    p.add_argument("ckpt_a")
-    p.add_argument("ckpt_b")
-    p.add_argument("--buckets", type=at_least(1), default=10)
+    p.add_argument("ckpt_a", help="model A (.pt export, checkpoint folder or run folder): Δsym > 0 where A is better")
+    p.add_argument("ckpt_b", help="model B, on the same tokenizer")
+    p.add_argument("--buckets", type=at_least(1), default=10, help="equal-count difficulty buckets, easy to hard")
     command("sink", run_sink, "attention share on the first token per layer/head", data=True)
     p = command("weights", run_weights, "stable rank and row cosine of every matrix", ckpt=False, plot=True,
                 runs_model=False)
     p.add_argument("ckpts", nargs="+", help="checkpoints or run folders; several -> trajectory")
-    p.add_argument("--threshold", type=float, default=0.7)
+    p.add_argument("--threshold", type=float, default=0.7, help="|cos| above which a row pair counts as aligned")
     p.add_argument("--max-rows", type=at_least(2), default=2048,
                    help="row subsample for the cosine matrix (>= 2: cosines are between rows)")
     p.add_argument("--heatmap", help="PNG of the clustered row-cosine matrix of --heatmap-matrix")
-    p.add_argument("--heatmap-matrix", default="layers.0.attn.wq.weight")
+    p.add_argument("--heatmap-matrix", default="layers.0.attn.wq.weight", help="the matrix --heatmap draws")
     p = command("residual", run_residual, "branch / residual RMS per layer, or its exponent at init",
                 data=True, ckpt=False)
-    p.add_argument("ckpt", nargs="?")
+    p.add_argument("ckpt", nargs="?", help=".pt export, checkpoint folder or run folder (none with --init)")
     p.add_argument("--init", action="store_true", help="fresh models across --widths instead of a checkpoint")
-    p.add_argument("--widths", type=at_least(1), nargs="+", default=[64, 128, 256, 512])
-    p.add_argument("--size", default="tiny")
-    p.add_argument("--gamma", type=float, default=1.0)
-    p.add_argument("--mlp", default="gelu")
-    p.add_argument("--attn-gate", default="none")
+    p.add_argument("--widths", type=at_least(1), nargs="+", default=[64, 128, 256, 512],
+                   help="--init: d_model of each model")
+    p.add_argument("--size", default="tiny", help="--init: the named size (model.SIZES) the widths override")
+    p.add_argument("--gamma", type=float, default=1.0, help="--init: init exponent, std = d_in^-gamma")
+    p.add_argument("--mlp", default="gelu", help="--init: swiglu or gelu")
+    p.add_argument("--attn-gate", default="none", help="--init: elementwise, headwise or none")
     # The benchmarks' code and options live in downstream.py; bench is a subcommand here for the one CLI.
     p = command("bench", downstream.run_bench, "HellaSwag, GSM8K, MATH-500 (lm-eval's definitions) or the anchor task",
                 data=True)
@@ -946,8 +948,9 @@ def build_parser():
                    help="which parameter count is N (nonembedding: total minus the input embedding)")
     p = command("report", run_report, "gather result JSONs into a markdown table", ckpt=False, output=False,
                 runs_model=False)
-    p.add_argument("results", nargs="+")
-    p.add_argument("--out", default="report.md")
+    p.add_argument("results", nargs="+",
+                   help="result JSONs (--json-out of the analyses, sweep.py's results/<name>.json)")
+    p.add_argument("--out", default="report.md", help="the markdown report (also printed)")
     p.add_argument("--plot-x", help="sweeps: plot --plot-metric against this setting (gamma, lr, ...; 'arm': arms as categories) beside each results JSON")
     p.add_argument("--pair", nargs=2, action="append", default=[], metavar=("A", "B"),
                    help="sweeps: B - A by seed, each FILE.json:ARM[:KEY=VALUE...] (repeatable; across files too)")
@@ -961,11 +964,11 @@ def build_parser():
                    f"(loss, best_val_loss, sink_first, loss_<source>, {', '.join(ANCHOR_METRICS)})")
     p = command("sample", run_sample, "print continuations of a prompt", output=False)
     p.add_argument("--tokenizer-dir", help="offline tokenizer files (prepare_data.py --tokenizer-dir)")
-    p.add_argument("--prompt", default="\n")
-    p.add_argument("--max-new-tokens", type=at_least(1), default=100)
-    p.add_argument("--num-samples", type=at_least(1), default=1)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=at_least(1), default=200)
+    p.add_argument("--prompt", default="\n", help="text the continuations start from")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=100, help="tokens per continuation, at most")
+    p.add_argument("--num-samples", type=at_least(1), default=1, help="continuations to print")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=at_least(1), default=200, help="sample from the k most likely tokens only")
     return parser
 
 

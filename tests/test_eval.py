@@ -554,6 +554,11 @@ def test_data_the_model_does_not_fit_is_refused_in_one_line(tmp_path, text_data,
     assert ev.main(["loss", gpt2, "--data", str(gpt2_data), *DATA_ARGS])["summary"]["tokens"] == 512  # they fit
 
 
+def test_every_argument_of_every_subcommand_has_help():
+    from test_sweep import actions_without_help
+    assert actions_without_help(ev.build_parser()) == []
+
+
 def test_tokens_compares_two_checkpoints_on_identical_tokens(tmp_path, text_data):
     a, b = tiny_model(gamma=1.0, seed=1), tiny_model(gamma=0.5, seed=2)
     result = ev.main(["tokens", export(a, tmp_path / "a.pt"), export(b, tmp_path / "b.pt"), "--data", text_data, *DATA_ARGS])
