@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from model import GPT, GPTConfig
-from prepare_data import atomic_open, atomic_write_bytes, read_json, sha256_file, write_json
+from fileio import atomic_open, atomic_write_bytes, read_json, sha256_file, write_json
 
 # ----------------------------------------------------------------------------- reading without running code
 # DCP unpickles .metadata with plain pickle.load and torch.loads its byte entries (the optimizer's
@@ -333,13 +333,98 @@ def describe_changes(changes):
     return "; ".join(f"{k} {v['was']!r} there, {v['now']!r} now" for k, v in changes.items())
 
 
+def open_run_dir(out, resume, rank, log):
+    """The run folder's complete checkpoints, oldest first, with its lock held. Rank 0 takes the
+    lock, clears what killed runs left and lists the checkpoints, then tells the others: on a
+    shared filesystem another node's stale directory cache could otherwise pick a different
+    checkpoint (or none) and hang the job. Multi-node: out must be on a filesystem every node sees."""
+    found = [None, [], []]
+    if rank == 0:
+        try:
+            os.makedirs(out, exist_ok=True)
+            lock_run_dir(out)  # held until the process exits (the fd is never closed)
+            clear_leftovers(out)
+            found = [None, *scan_checkpoints(out)]
+        except RunDirError as e:
+            found = [str(e), [], []]
+    dist.broadcast_object_list(found, src=0)
+    problem, done, damaged = found
+    if problem:
+        raise RunDirError(problem)
+    if (done or damaged) and not resume:
+        newest = os.path.basename((done or [p for p, _ in damaged])[-1])
+        raise RunDirError(f"{out} already holds checkpoints ({newest}); pass --resume=True or choose another out_dir")
+    if damaged and not done:  # starting over would truncate metrics.jsonl and bury the run's history
+        raise RunDirError(f"every checkpoint in {out} is damaged ({os.path.basename(damaged[-1][0])}: "
+                          f"{damaged[-1][1]}); nothing was changed: move them away to start over, or choose "
+                          f"another out_dir")
+    for path, why in damaged:
+        log(f"{path} is damaged ({why}): not used")
+    return done
+
+
+def resume_run(cfg, done, net, opt, loader, mcfg, data_fp, log):
+    """(step, resumed checkpoint or None, changes, meta): the newest of `done` that loads on every
+    rank, falling back to the one before; the experiment changes allowed at this resume; and the
+    meta every checkpoint of this run records (settings_to_record)."""
+    step, resumed, changes, meta = 0, None, {}, None
+    for path in reversed(done):
+        meta = read_json(os.path.join(path, "meta.json"))
+        check_resumable(path, mcfg)
+        changes = experiment_changes(meta, cfg, data_fp)
+        if changes and not cfg["allow_resume_changes"]:
+            raise RunDirError(f"{cfg['out_dir']} was trained with other settings ({describe_changes(changes)}): resume "
+                              f"with the run's settings, choose another out_dir, or pass --allow_resume_changes=True "
+                              f"(the changes are recorded in metrics.jsonl)")
+        why = None
+        try:
+            load_checkpoint(path, meta, net, opt, loader, cfg["weight_decay"], cfg["verify_checkpoints"])
+        except ValueError:
+            raise  # the data no longer fits the checkpoint: the user's to fix, not damage
+        except (Exception, CheckpointException) as e:  # unreadable bytes: DCP raises a BaseException
+            why = load_error(e)
+        ok = torch.tensor(why is None, device=next(net.parameters()).device, dtype=torch.float32)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank falls back together
+        if ok.item() and not all_finite(net, opt):
+            why = "its parameters or optimizer state are not finite"
+        elif not ok.item():
+            why = why or "another rank could not load it"
+        if why is None:
+            step, resumed = meta["step"], path
+            break
+        log(f"{path} could not be resumed ({why}): falling back to the previous checkpoint")
+    if done and resumed is None:
+        raise RunDirError(f"no checkpoint in {cfg['out_dir']} could be resumed (see above): move them away to start "
+                          f"over, or choose another out_dir")
+    if resumed:
+        log(f"resumed from {resumed} at step {step}")
+        if meta["world_size"] != dist.get_world_size():
+            log(f"world size {meta['world_size']} -> {dist.get_world_size()}: DCP resharded model and optimizer; "
+                f"the data order is unchanged (global batches), per-rank RNG streams restart from seed, and "
+                f"float reductions run in a different order")
+        if changes:
+            log(f"resuming with changed settings (allow_resume_changes): {describe_changes(changes)}")
+    recorded, history = settings_to_record(meta if resumed else None, cfg, step, changes)
+    return step, resumed, changes, {"config": recorded, "resume_changes": history, "model_config": asdict(mcfg),
+                                    "data_meta": loader.meta, "data_fingerprint": data_fp}
+
+
+def diverged_hint(last_good):
+    """What to do after a non-finite loss or state: resume from the last good checkpoint with
+    settings that a resume counts as a change of experiment."""
+    if not last_good:
+        return ("No checkpoint of this run was saved yet: rerun with a lower lr, longer warmup or tighter "
+                "grad_clip (and a new out_dir or --resume=False)")
+    return (f"Last good checkpoint: {last_good} (intact). Resume from it with a lower lr, longer warmup or tighter "
+            f"grad_clip, adding --allow_resume_changes=True (they are settings of the experiment)")
+
+
 def save_checkpoint(cfg, step, net, opt, loader, meta, last_good):
     """Write ckpt_{step} (as tmp_, renamed when whole) and prune old ones. Refuses to save
     non-finite weights or optimizer state; a full disk is one line, the partial folder removed."""
     if not all_finite(net, opt):
         raise FloatingPointError(f"step {step}: parameters or optimizer state are not finite (NaN/Inf); not saved. "
-                                 f"Last good checkpoint: {last_good or 'none'} (intact). Resume from it with a lower "
-                                 f"lr, longer warmup or tighter grad_clip.")
+                                 f"{diverged_hint(last_good)}")
     rank = dist.get_rank()
     name = f"ckpt_{step:08d}"
     tmp, final = os.path.join(cfg["out_dir"], "tmp_" + name), os.path.join(cfg["out_dir"], name)
@@ -563,3 +648,62 @@ def truncate_metrics(path, step):
     atomic_write_bytes(path, [row.encode() for row in rows])
 
 
+def scalars(row, prefix=""):
+    """(name, number) pairs of a metrics.jsonl row, nested keys joined by "/" (weights/<matrix>/
+    stable_rank, expert_load/<layer>/<expert>); the step is the x axis, not a curve."""
+    for key, value in row.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, (dict, list)):
+            yield from scalars(value if isinstance(value, dict) else dict(enumerate(value)), name + "/")
+        elif isinstance(value, (int, float)) and name != "step":  # None: not measured (MFU)
+            yield name, value
+
+
+class Metrics:
+    """Rank 0's record of a run: metrics.jsonl (rows past the resumed step dropped: they are redone),
+    mirrored as live curves in TensorBoard (tensorboard_dir) and/or wandb (wandb_log), and the
+    durations of evaluations and checkpoints for the ETA. metrics.jsonl stays the record; on other
+    ranks record() does nothing."""
+
+    def __init__(self, cfg, rank, resumed_step):
+        self.spent = {"eval_s": [], "ckpt_s": []}
+        self.file = self.writer = self.run = None
+        if rank != 0:
+            return
+        path = os.path.join(cfg["out_dir"], "metrics.jsonl")
+        truncate_metrics(path, -1 if resumed_step is None else resumed_step)
+        self.file = open(path, "a")
+        if cfg["tensorboard_dir"]:
+            from torch.utils.tensorboard import SummaryWriter
+            # A resumed run redoes the steps after its checkpoint: purge_step hides the killed
+            # run's copies of them, as truncate_metrics drops them from metrics.jsonl.
+            self.writer = SummaryWriter(cfg["tensorboard_dir"],
+                                        purge_step=None if resumed_step is None else resumed_step + 1)
+        if cfg["wandb_log"]:
+            import wandb
+            self.run = wandb.init(project=cfg["wandb_project"], dir=cfg["out_dir"], config=cfg,
+                                  name=cfg["wandb_run_name"] or os.path.basename(os.path.abspath(cfg["out_dir"])))
+
+    def record(self, row):
+        for key in self.spent:
+            if key in row:
+                self.spent[key].append(row[key])
+        if self.file is None:
+            return
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        values = dict(scalars(row))
+        if self.writer:
+            for name, value in values.items():
+                self.writer.add_scalar(name, value, row["step"])
+            self.writer.flush()  # like metrics.jsonl: on disk when the row is logged
+        if self.run:
+            self.run.log(values, step=row["step"])
+
+    def close(self):
+        if self.file:
+            self.file.close()
+        if self.writer:
+            self.writer.close()
+        if self.run:
+            self.run.finish()

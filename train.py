@@ -32,20 +32,17 @@ import resource
 import sys
 import time
 import traceback
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from checkpoint import (RunDirError, all_finite, check_resumable, clear_leftovers, describe_changes, experiment_changes,
-                        export, load_checkpoint, load_error, lock_run_dir, save_checkpoint, scan_checkpoints, settings_to_record,
-                        truncate_metrics)
+from checkpoint import Metrics, RunDirError, diverged_hint, export, open_run_dir, resume_run, save_checkpoint
+from fileio import read_json, write_json
 from init import format_report
 from model import ATTN_BACKENDS, GPT, config_for, cosine_stats, init_model_, row_cosines, stable_rank
-from prepare_data import TokenLoader, check_model_vocab, check_token_ids, cpu_name, data_fingerprint, read_json, write_json
+from prepare_data import TokenLoader, check_model_vocab, check_token_ids, cpu_name, data_fingerprint
 
 # ----------------------------------------------------------------------------- defaults
 _IMPORTED = set(globals())  # the settings are the names assigned below, not every public name imported above
@@ -506,50 +503,6 @@ def log0(*args):
         print(*args, flush=True)
 
 
-def scalars(row, prefix=""):
-    """(name, number) pairs of a metrics.jsonl row, nested keys joined by "/" (weights/<matrix>/
-    stable_rank, expert_load/<layer>/<expert>); the step is the x axis, not a curve."""
-    for key, value in row.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, (dict, list)):
-            yield from scalars(value if isinstance(value, dict) else dict(enumerate(value)), name + "/")
-        elif isinstance(value, (int, float)) and name != "step":  # None: not measured (MFU)
-            yield name, value
-
-
-class Curves:
-    """metrics.jsonl's rows as live curves in TensorBoard (tensorboard_dir) and/or wandb (wandb_log).
-    metrics.jsonl stays the record; this only mirrors it, on rank 0."""
-
-    def __init__(self, cfg, resumed_step):
-        self.writer = self.run = None
-        if cfg["tensorboard_dir"]:
-            from torch.utils.tensorboard import SummaryWriter
-            # A resumed run redoes the steps after its checkpoint: purge_step hides the killed
-            # run's copies of them, as truncate_metrics drops them from metrics.jsonl.
-            self.writer = SummaryWriter(cfg["tensorboard_dir"],
-                                        purge_step=None if resumed_step is None else resumed_step + 1)
-        if cfg["wandb_log"]:
-            import wandb
-            self.run = wandb.init(project=cfg["wandb_project"], dir=cfg["out_dir"], config=cfg,
-                                  name=cfg["wandb_run_name"] or os.path.basename(os.path.abspath(cfg["out_dir"])))
-
-    def log(self, row):
-        values = dict(scalars(row))
-        if self.writer:
-            for name, value in values.items():
-                self.writer.add_scalar(name, value, row["step"])
-            self.writer.flush()  # like metrics.jsonl: on disk when the row is logged
-        if self.run:
-            self.run.log(values, step=row["step"])
-
-    def close(self):
-        if self.writer:
-            self.writer.close()
-        if self.run:
-            self.run.finish()
-
-
 def print_plan(cfg, world):
     mcfg = model_config(cfg, "cuda")
     with torch.device("meta"):
@@ -572,146 +525,84 @@ def print_plan(cfg, world):
             "flops_per_token": fpt, "memory_bytes": sum(mem.values())}
 
 
+def open_data(cfg, mcfg, rank, world):
+    """(train loader, val loader, data fingerprint), the data checked against the model first: a
+    wrong tokenizer or an id past the vocab would crash mid-run (a device assert on CUDA)."""
+    loader = open_loader(cfg, "train", rank, world)
+    val_loader = open_loader(cfg, "val", rank, world)  # opened now: a missing split fails at start
+    try:
+        check_model_vocab(loader.meta, mcfg.vocab_size)
+        check_token_ids(cfg["data_dir"], loader.meta, mcfg.vocab_size)
+    except ValueError as e:
+        raise ValueError(f"data: {e}") from None
+    if mcfg.doc_mask and mcfg.eot_id != loader.meta["eot_id"]:
+        raise ValueError(f"config: model.eot_id={mcfg.eot_id} but {cfg['data_dir']} ends documents with "
+                         f"{loader.meta['eot_id']}: set --model.eot_id={loader.meta['eot_id']}")
+    return loader, val_loader, data_fingerprint(cfg["data_dir"], loader.meta)
+
+
+def tracked_weights(net, cfg, n_layer):
+    """The parameter names of track_weights ("{last}" is the last layer)."""
+    names = dict(net.named_parameters())
+    # MoE expert weights are bare (E, d_in, d_out) parameters: "mlp.w_up.weight" -> "mlp.w_up"
+    track = [n if n in names else n.removesuffix(".weight")
+             for n in (n.format(last=n_layer - 1) for n in cfg["track_weights"])]
+    for n in track:
+        if n not in names:
+            raise _unknown(n, names, "track_weights")
+    return track
+
+
+def evaluation(net, val_loader, cfg, device, step, track):
+    t0 = time.time()
+    val = evaluate(net, val_loader, cfg, device)
+    log0(f"step {step}: val loss {val:.4f}")
+    return {"step": step, "val_loss": val, "weights": weight_structure(net, track), "eval_s": time.time() - t0}
+
+
+def step_row(cfg, step, lr, loss, norm, tps, eta, mfu, device, moe_counts, aux_loss):
+    """The metrics row of a logged step, and its log line."""
+    row = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tps, "mfu": mfu,
+           "mem_gib": memory_used(device), "eta_s": eta, "tokens": step * cfg["global_batch"] * cfg["seq_len"]}
+    moe = ""
+    if moe_counts is not None:
+        load = moe_counts.float() / moe_counts.sum(-1, keepdim=True) * moe_counts.shape[-1]
+        row.update(expert_load=load.tolist(), aux_loss=aux_loss)
+        moe = f" expert load max {load.max():.2f} aux {aux_loss:.3g}"
+    line = (f"step {step}/{cfg['max_steps']} loss {loss:.4f} lr {lr:.3g} grad norm {norm:.3g} {tps:,.0f} tok/s "
+            f"mfu {'n/a' if mfu is None else f'{mfu:.1%}'} mem {row['mem_gib']:.2f} GiB eta {eta / 60:.1f} min{moe}")
+    return row, line
+
+
 def train(cfg):
     rank, world, device = setup_distributed()
     torch.manual_seed(cfg["seed"])
     accum = grad_accum(cfg, world)
     mcfg = model_config(cfg, device.type)
-    loader = open_loader(cfg, "train", rank, world)
-    val_loader = open_loader(cfg, "val", rank, world)  # opened now: a missing split fails at start
-    data_meta = loader.meta
-    try:
-        check_model_vocab(data_meta, mcfg.vocab_size)
-        check_token_ids(cfg["data_dir"], data_meta, mcfg.vocab_size)  # a bad id would crash mid-run (a device assert on CUDA)
-    except ValueError as e:
-        raise ValueError(f"data: {e}") from None
-    data_fp = data_fingerprint(cfg["data_dir"], data_meta)
-    if mcfg.doc_mask and mcfg.eot_id != data_meta["eot_id"]:
-        raise ValueError(f"config: model.eot_id={mcfg.eot_id} but {cfg['data_dir']} ends documents with "
-                         f"{data_meta['eot_id']}: set --model.eot_id={data_meta['eot_id']}")
-    out = cfg["out_dir"]
-    # Rank 0 takes the run folder's lock, clears what killed runs left, and lists the checkpoints;
-    # then it tells the others: on a shared filesystem another node's stale directory cache could
-    # otherwise pick a different checkpoint (or none) and hang the job. Multi-node: out_dir must be
-    # on a filesystem every node sees (rank 0 renames).
-    found = [None, [], []]
-    if rank == 0:
-        try:
-            os.makedirs(out, exist_ok=True)
-            lock = lock_run_dir(out)  # noqa: F841 (held until the process exits)
-            clear_leftovers(out)
-            found = [None, *scan_checkpoints(out)]
-        except RunDirError as e:
-            found = [str(e), [], []]
-    dist.broadcast_object_list(found, src=0)
-    problem, done, damaged = found
-    if problem:
-        raise RunDirError(problem)
-    if (done or damaged) and not cfg["resume"]:
-        newest = os.path.basename((done or [p for p, _ in damaged])[-1])
-        raise RunDirError(f"{out} already holds checkpoints ({newest}); pass --resume=True or choose another out_dir")
-    if damaged and not done:  # starting over would truncate metrics.jsonl and bury the run's history
-        raise RunDirError(f"every checkpoint in {out} is damaged ({os.path.basename(damaged[-1][0])}: {damaged[-1][1]}); "
-                          f"nothing was changed: move them away to start over, or choose another out_dir")
-    for path, why in damaged:
-        log0(f"{path} is damaged ({why}): not used")
+    loader, val_loader, data_fp = open_data(cfg, mcfg, rank, world)
+    done = open_run_dir(cfg["out_dir"], cfg["resume"], rank, log0)
     net, init_report = build_model(cfg, mcfg, device)
     opt = make_optimizer(net, cfg, device)
-    names = dict(net.named_parameters())
-    # MoE expert weights are bare (E, d_in, d_out) parameters: "mlp.w_up.weight" -> "mlp.w_up"
-    track = [n if n in names else n.removesuffix(".weight")
-             for n in (n.format(last=mcfg.n_layer - 1) for n in cfg["track_weights"])]
-    for n in track:
-        if n not in names:
-            raise _unknown(n, names, "track_weights")
-    step, resumed, changes = 0, None, {}
-    for path in reversed(done):  # newest first; one that fails to load falls back to the one before
-        meta = read_json(os.path.join(path, "meta.json"))
-        check_resumable(path, mcfg)
-        changes = experiment_changes(meta, cfg, data_fp)
-        if changes and not cfg["allow_resume_changes"]:
-            raise RunDirError(f"{out} was trained with other settings ({describe_changes(changes)}): resume with "
-                              f"the run's settings, choose another out_dir, or pass --allow_resume_changes=True "
-                              f"(the changes are recorded in metrics.jsonl)")
-        why = None
-        try:
-            load_checkpoint(path, meta, net, opt, loader, cfg["weight_decay"], cfg["verify_checkpoints"])
-        except ValueError:
-            raise  # the data no longer fits the checkpoint: the user's to fix, not damage
-        except (Exception, CheckpointException) as e:  # unreadable bytes: DCP raises a BaseException
-            why = load_error(e)
-        ok = torch.tensor(why is None, device=device, dtype=torch.float32)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank falls back together
-        if ok.item() and not all_finite(net, opt):
-            why = "its parameters or optimizer state are not finite"
-        elif not ok.item():
-            why = why or "another rank could not load it"
-        if why is None:
-            step, resumed = meta["step"], path
-            break
-        log0(f"{path} could not be resumed ({why}): falling back to the previous checkpoint")
-    if done and resumed is None:
-        raise RunDirError(f"no checkpoint in {out} could be resumed (see above): move them away to start over, "
-                          f"or choose another out_dir")
-    if resumed:
-        log0(f"resumed from {resumed} at step {step}")
-        if meta["world_size"] != world:
-            log0(f"world size {meta['world_size']} -> {world}: DCP resharded model and optimizer; the "
-                 f"data order is unchanged (global batches), grad_accum is now {accum}, per-rank RNG "
-                 f"streams restart from seed, and float reductions run in a different order")
-        if changes:
-            log0(f"resuming with changed settings (allow_resume_changes): {describe_changes(changes)}")
-    recorded, resume_changes = settings_to_record(meta if resumed else None, cfg, step, changes)
-    meta_common = {"config": recorded, "resume_changes": resume_changes, "model_config": asdict(mcfg),
-                   "data_meta": data_meta, "data_fingerprint": data_fp}
-    metrics_path = os.path.join(out, "metrics.jsonl")
+    track = tracked_weights(net, cfg, mcfg.n_layer)
+    step, resumed, changes, meta = resume_run(cfg, done, net, opt, loader, mcfg, data_fp, log0)
     if rank == 0:
         log0(json.dumps(cfg, indent=1))
-        write_json(os.path.join(out, "config.json"), {**recorded, "resume_changes": resume_changes})
-        if step == 0:
+        write_json(os.path.join(cfg["out_dir"], "config.json"), {**meta["config"], "resume_changes": meta["resume_changes"]})
+        if not resumed:
             log0(format_report(init_report))
-        truncate_metrics(metrics_path, step if resumed else -1)  # no checkpoint: everything is redone
-    metrics = open(metrics_path, "a") if rank == 0 else None
-    curves = Curves(cfg, step if done else None) if rank == 0 else None
-    spent = {"eval_s": [], "ckpt_s": []}  # durations of evaluations and checkpoints, for the ETA
-
-    def record(row):
-        if rank == 0:
-            metrics.write(json.dumps(row) + "\n")
-            metrics.flush()
-            curves.log(row)
-
+    metrics = Metrics(cfg, rank, step if resumed else None)
     if changes:
-        record({"step": step, "resume_changes": changes})
-
-    def evaluate_and_record():
-        t0 = time.time()
-        val = evaluate(net, val_loader, cfg, device)
-        row = {"step": step, "val_loss": val, "weights": weight_structure(net, track), "eval_s": time.time() - t0}
-        spent["eval_s"].append(row["eval_s"])
-        log0(f"step {step}: val loss {val:.4f}")
-        record(row)
-
-    def checkpoint_and_record():
-        t0 = time.time()
-        path = save_checkpoint(cfg, step, net, opt, loader, meta_common, last_ckpt)
-        spent["ckpt_s"].append(time.time() - t0)
-        record({"step": step, "ckpt_s": spent["ckpt_s"][-1]})
-        return path
-
+        metrics.record({"step": step, "resume_changes": changes})
     peak, source = matmul_peak(cfg, device)
     log0(f"MFU against a peak of {peak / 1e12:.3g} TFLOP/s per device ({source})" if peak else
          f"MFU not reported: unknown peak for {source}; set --peak_flops")
-    fpt = net.flops_per_token(cfg["seq_len"])
-    tokens_step = cfg["global_batch"] * cfg["seq_len"]
+    fpt, tokens_step = net.flops_per_token(cfg["seq_len"]), cfg["global_batch"] * cfg["seq_len"]
     last_ckpt = resumed
-    if step == 0:
-        evaluate_and_record()
+    if not resumed:
+        metrics.record(evaluation(net, val_loader, cfg, device, step, track))
         if 0 in cfg["keep_steps"]:
-            last_ckpt = checkpoint_and_record()
-            log0(f"saved {last_ckpt} (the init)")
-    train_time, step_log, time_log = 0.0, step, 0.0  # training time only: no eval/checkpoints
-    step_start = step
+            last_ckpt = save_and_record(cfg, step, net, opt, loader, meta, last_ckpt, metrics, " (the init)")
+    train_time, step_log, time_log, step_start = 0.0, step, 0.0, step  # training time only: no eval/checkpoints
     while step < cfg["max_steps"]:
         t0 = time.time()
         lr = lr_at(cfg, step)
@@ -747,8 +638,7 @@ def train(cfg):
         loss_val, norm_val = torch.stack([loss_sum, norm.to(loss_sum)]).tolist()  # one sync per step
         if not (math.isfinite(loss_val) and math.isfinite(norm_val)):
             raise FloatingPointError(f"non-finite loss {loss_val} / grad norm {norm_val} at step {step + 1}; the "
-                             f"update was not applied. Last good checkpoint: {last_ckpt or 'none'} (intact). "
-                             f"Resume from it with a lower lr, longer warmup or tighter grad_clip.")
+                                     f"update was not applied. {diverged_hint(last_ckpt)}")
         opt.step()
         opt.zero_grad(set_to_none=True)
         moe_counts = net.update_moe_bias(all_reduce=dist.all_reduce)
@@ -757,29 +647,25 @@ def train(cfg):
         first_line = step == step_start + 1  # a sign of life before log_interval steps (minutes on CPU)
         if step % cfg["log_interval"] == 0 or step == cfg["max_steps"] or first_line:
             tps = tokens_step * (step - step_log) / (train_time - time_log)
-            eta = eta_seconds(cfg, step, tokens_step / tps, spent)
-            row = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": norm_val, "tokens_per_s": tps,
-                   "mfu": fpt * tps / (peak * world) if peak else None, "mem_gib": memory_used(device),
-                   "eta_s": eta, "tokens": step * tokens_step}
-            if moe_counts is not None:
-                load = moe_counts.float() / moe_counts.sum(-1, keepdim=True) * moe_counts.shape[-1]
-                row.update(expert_load=load.tolist(), aux_loss=aux_sum.item())
-            mfu = f"{row['mfu']:.1%}" if peak else "n/a"
-            moe = f" expert load max {load.max():.2f} aux {row['aux_loss']:.3g}" if moe_counts is not None else ""
-            log0(f"step {step}/{cfg['max_steps']} loss {loss_val:.4f} lr {lr:.3g} grad norm {norm_val:.3g} "
-                 f"{tps:,.0f} tok/s mfu {mfu} mem {row['mem_gib']:.2f} GiB eta {eta / 60:.1f} min{moe}"
-                 + (" (first step: compile and warm-up included)" if first_line else ""))
+            row, line = step_row(cfg, step, lr, loss_val, norm_val, tps, eta_seconds(cfg, step, tokens_step / tps, metrics.spent),
+                                 fpt * tps / (peak * world) if peak else None, device, moe_counts, aux_sum.item())
+            log0(line + (" (first step: compile and warm-up included)" if first_line else ""))
             if step % cfg["log_interval"] == 0 or step == cfg["max_steps"]:  # metrics.jsonl keeps its interval
-                record(row)
+                metrics.record(row)
                 step_log, time_log = step, train_time
         if step % cfg["eval_interval"] == 0 or step == cfg["max_steps"]:
-            evaluate_and_record()
+            metrics.record(evaluation(net, val_loader, cfg, device, step, track))
         if step % cfg["ckpt_interval"] == 0 or step == cfg["max_steps"] or step in cfg["keep_steps"]:
-            last_ckpt = checkpoint_and_record()
-            log0(f"saved {last_ckpt}")
-    if metrics:
-        metrics.close()
-        curves.close()
+            last_ckpt = save_and_record(cfg, step, net, opt, loader, meta, last_ckpt, metrics)
+    metrics.close()
+
+
+def save_and_record(cfg, step, net, opt, loader, meta, last_ckpt, metrics, note=""):
+    t0 = time.time()
+    path = save_checkpoint(cfg, step, net, opt, loader, meta, last_ckpt)
+    metrics.record({"step": step, "ckpt_s": time.time() - t0})
+    log0(f"saved {path}{note}")
+    return path
 
 
 def memory_used(device):

@@ -391,13 +391,14 @@ def test_nan_guard_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
     out = str(tmp_path / "nan")
     p = run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=12",
                    "--ckpt_interval=5", "--debug_nan_step=3"], ok=False)
-    assert p.returncode != 0 and "at step 3" in p.stderr and "Last good checkpoint: none" in p.stderr
+    assert p.returncode != 0 and "at step 3" in p.stderr and "No checkpoint of this run was saved yet" in p.stderr
     # no checkpoint yet: the next run starts over, and its metrics replace the failed run's
     p = run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=12",
                    "--ckpt_interval=5", "--debug_nan_step=8"], ok=False)
     assert p.returncode != 0
     last = os.path.join(out, "ckpt_00000005")
     assert "non-finite loss nan" in p.stderr and "at step 8" in p.stderr and last in p.stderr
+    assert "adding --allow_resume_changes=True" in p.stderr  # a resume with a lower lr is another experiment
     assert checkpoint.complete_checkpoints(out) == [last]
     assert sorted(rows(out, "loss")) == list(range(1, 8))  # once each; nothing for the poisoned step
     assert sorted(rows(out, "val_loss")) == [0, 5]
