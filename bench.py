@@ -31,7 +31,7 @@ from torch import nn
 
 from init import gamma_init_
 from model import GPT, SIZES, GPTConfig, init_model_
-from prepare_data import atomic_write_bytes
+from fileio import atomic_write_bytes
 
 
 # ----------------------------------------------------------------------------- the yardstick

@@ -31,10 +31,10 @@ from fractions import Fraction
 import numpy as np
 import torch
 
+from checkpoint import load_model
 from model import generate, token_logprobs
 from prepare_data import (anchor_accuracy, anchor_answer_kinds, check_model_vocab, get_tokenizer, load_meta, progress_bar,
                           read_records)
-from checkpoint import load_model
 
 # ----------------------------------------------------------------------------- a checkpoint's data and tokenizer
 # Here rather than in eval.py, which imports this file for `bench`: imports go one way.

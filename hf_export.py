@@ -16,8 +16,8 @@ import os
 import re
 import shutil
 
-from prepare_data import get_tokenizer
 from checkpoint import load_model
+from prepare_data import get_tokenizer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 MODELING_FILE = "modeling_smallinit.py"
@@ -144,6 +144,12 @@ def write_folder(out_dir, write):
         shutil.rmtree(path, ignore_errors=True)
     os.makedirs(tmp)
     write(tmp)
+    # safetensors writes its file 0600 while the rest gets the umask's mode: exports are copied to
+    # shared servers, so every file gets what a plain new file would (0644 under umask 022).
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(tmp):
+        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
     if os.path.exists(out_dir):
         os.replace(out_dir, old)
     os.replace(tmp, out_dir)

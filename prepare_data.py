@@ -46,7 +46,6 @@ import sys
 import tempfile
 import time
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from itertools import chain
 
@@ -54,6 +53,8 @@ import numpy as np
 import tiktoken
 import torch
 from tqdm import tqdm
+
+from fileio import atomic_write_bytes, sha256_file
 
 FORMAT_VERSION = 1
 MAGIC = b"SITOKENS"
@@ -98,14 +99,6 @@ OFFLINE_SETS = {
     "cl100k_base": [("cl100k_base", ["cl100k_base.tiktoken"])],
     "o200k_base": [("o200k_base", ["o200k_base.tiktoken"])],
 }
-
-
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def find_tokenizer_file(folder, name):
@@ -193,54 +186,6 @@ def token_dtype(vocab_size):
 
 # -----------------------------------------------------------------------------
 # Shards: write (atomically) and read (validated, memory-mapped)
-
-
-@contextmanager
-def atomic_open(path):
-    """A binary file for path that appears there whole or not at all: written under path.tmp,
-    fsynced (so a crash right after the rename can't leave an empty file), then renamed over
-    path. The one way this repo writes a file that a reader or a resumed run relies on."""
-    path = os.fspath(path)
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:  # a full disk, a kill signal turned exception: no .tmp left behind
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    os.replace(tmp, path)
-
-
-def atomic_write_bytes(path, chunks):
-    with atomic_open(path) as f:
-        for chunk in chunks:
-            f.write(chunk)
-
-
-def json_safe(obj):
-    """obj with every non-finite float as None: standard JSON has no NaN/Infinity, and an
-    undefined quantity (an error bar without residual degrees of freedom) is null."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
-
-
-def write_json(path, obj):
-    # Atomic: a reader (a resumed run, `eval.py report` over a results folder) never sees half a file.
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    atomic_write_bytes(path, [json.dumps(json_safe(obj), indent=1, allow_nan=False).encode()])
-
-
-def read_json(path):
-    with open(path) as f:
-        return json.load(f)
 
 
 def npy_bytes(array):
@@ -343,7 +288,7 @@ def clear_outputs(out_dir):
     if os.path.exists(meta):
         os.remove(meta)
     shard_names = "*_" + "[0-9]" * 6 + ".bin"  # only what ShardWriter writes: the folder may hold other files
-    for pattern in (shard_names, shard_names + ".tmp", "meta.json.tmp"):
+    for pattern in (shard_names, shard_names + "*.tmp", "meta.json*.tmp"):  # fileio.atomic_open's leftovers
         for path in glob.glob(os.path.join(out_dir, pattern)):
             os.remove(path)
 

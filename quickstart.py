@@ -24,7 +24,8 @@ import threading
 import time
 
 from eval import pyplot, save_figure
-from prepare_data import AnchorTask, usable_cores, write_json
+from fileio import write_json
+from prepare_data import AnchorTask, usable_cores
 from train import load_config
 
 ROOT = os.path.dirname(os.path.abspath(__file__))

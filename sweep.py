@@ -37,7 +37,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from downstream import at_least  # eval.py's check of size and count flags
-from prepare_data import cpu_name, write_json
+from fileio import write_json
+from prepare_data import cpu_name
 from train import parse_value  # a grid value is read as train.py reads --key=value
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -17,7 +17,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from prepare_data import atomic_write_bytes, data_fingerprint, sha256_file  # noqa: E402
+from fileio import atomic_write_bytes, sha256_file  # noqa: E402
+from prepare_data import data_fingerprint  # noqa: E402
 
 RECORD = os.path.join(ROOT, "results", "data.json")
 

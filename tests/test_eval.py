@@ -13,7 +13,7 @@ import torch
 import eval as ev
 from conftest import tiny_model
 from model import cosine_stats, row_cosines, stable_rank
-from prepare_data import write_json
+from fileio import write_json
 from checkpoint import find_checkpoints, load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -143,6 +143,10 @@ def test_cli_writes_the_folder_and_refuses_a_foreign_one(tmp_path):
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "modeling_smallinit.py"} <= names
     assert not os.path.exists(tmp_path / "hf.tmp")
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {name: os.stat(tmp_path / "hf" / name).st_mode & 0o777 for name in names}
+    assert set(modes.values()) == {0o666 & ~umask}, modes  # as readable as any new file (safetensors: 0600)
     # Exporting again over an earlier export replaces it (in this process: the CLI is covered).
     (tmp_path / "hf" / "config.json").write_text("{}")
     export_hf(str(tmp_path / "m.pt"), str(tmp_path / "hf"))

@@ -1,0 +1,50 @@
+"""fileio.py: a results file written by two processes at once (two sweeps, two evals) is always
+one writer's whole file to a reader, and neither writer fails."""
+import json
+import multiprocessing
+import os
+
+from fileio import atomic_open, write_json
+
+WRITES = 150
+
+
+def writer(path, who, errors):
+    payload = [who] * 20000  # ~100 kB: each write takes long enough for the others to overlap it
+    try:
+        for i in range(WRITES):
+            write_json(path, {"who": who, "i": i, "payload": payload})
+    except Exception as e:  # noqa: BLE001 (reported to the test, which names it)
+        errors.put(f"writer {who}: {type(e).__name__}: {e}")
+
+
+def test_two_concurrent_writers_and_a_reader(tmp_path):
+    path = str(tmp_path / "results.json")
+    write_json(path, {"who": -1, "i": -1, "payload": []})
+    ctx = multiprocessing.get_context("fork")
+    errors = ctx.Queue()
+    procs = [ctx.Process(target=writer, args=(path, who, errors)) for who in (0, 1)]
+    for p in procs:
+        p.start()
+    reads, bad = 0, []
+    while any(p.is_alive() for p in procs):
+        try:
+            with open(path) as f:
+                row = json.load(f)
+            assert row["payload"] == [row["who"]] * len(row["payload"])  # one writer's file, whole
+            reads += 1
+        except (ValueError, FileNotFoundError) as e:
+            bad.append(f"{type(e).__name__}: {e}")
+    for p in procs:
+        p.join()
+    failed = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
+    assert not failed and not bad and reads > 0, (failed, bad[:3], len(bad), reads)
+    assert json.load(open(path))["i"] == WRITES - 1
+    assert os.listdir(tmp_path) == ["results.json"]  # no temporary file left
+
+
+def test_atomic_files_get_a_plain_files_mode(tmp_path):
+    with atomic_open(tmp_path / "a.bin") as f:
+        f.write(b"x")
+    open(tmp_path / "b.bin", "wb").close()
+    assert os.stat(tmp_path / "a.bin").st_mode == os.stat(tmp_path / "b.bin").st_mode  # not mkstemp's 0600
