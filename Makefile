@@ -1,7 +1,7 @@
 # Two entry points a newcomer copies from the README. Both install what they need.
 PYTHON ?= python3
 
-.PHONY: install plots test-extras test test-fast quickstart
+.PHONY: install plots test-extras test test-fast quickstart gpu-check
 
 install:
 	$(PYTHON) -m pip install -q -r requirements.txt
@@ -33,3 +33,9 @@ test-fast: install
 # The γ experiment end to end on CPU (anchor task): data, two trainings, comparison table, plot.
 quickstart: install plots
 	$(PYTHON) quickstart.py
+
+# On one H100/H200, ~8 minutes: the CUDA tests, a short bench, a 50-step flex+bf16+compile run,
+# its HF export compared, peak memory vs the estimate; one table and results/gpu_check.json.
+# Without CUDA it exits 1 in one line; `python gpu_check.py --dry-run` shows the plan anywhere.
+gpu-check: install test-extras
+	$(PYTHON) gpu_check.py
