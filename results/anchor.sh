@@ -12,7 +12,7 @@ anchor_data() {  # anchor_data NAME [prepare_data.py anchor options]: data/NAME,
     local out=data/$1; shift
     [ -f $out/meta.json ] || python prepare_data.py anchor --out $out "$@"
 }
-ALL="data phase robust ablate width_lr confirm layout report"
+ALL="data phase robust ablate width_lr confirm layout report confirm_report"
 all_anchor_data() {  # every data set of the sections below: the tuned task and the robustness variants
     anchor_data anchor
     anchor_data anchor_heldout24 --heldout 2,4 --mirror-shift -5
@@ -107,6 +107,12 @@ report)
         --per-seed $SHARES --out results/report_anchor_ablate.md
     python eval.py report results/anchor_width_lr.json --plot-x arm --plot-metric $SHARES \
         --per-seed $SHARES --out results/report_anchor_width_lr.md
+    ;;
+confirm_report)
+    # results/confirm.md, claim 7: s = inferential - symmetric share per run, recipe - baseline by seed.
+    python eval.py report results/confirm_anchor.json --plot-metric $SHARES --per-seed $SHARES \
+        --pair results/confirm_anchor.json:baseline results/confirm_anchor.json:recipe --pair-metric heldout_margin \
+        --out results/report_confirm_anchor.md
     ;;
 *) echo "unknown section $section: one of $ALL" >&2; exit 2 ;;
 esac; done

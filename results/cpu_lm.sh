@@ -96,7 +96,7 @@ print(" ".join(f"{n}={statistics.mean(v)!r}" for n, v in sorted(by_n.items())))
 PY
 }
 
-ALL="data lr settings layernorm gamma analyses budget wd scale moe lr_width lr_fine gamma_fine settings_fine confirm report"
+ALL="data lr settings layernorm gamma analyses budget wd scale moe lr_width lr_fine gamma_fine settings_fine confirm report confirm_report"
 # The confirmation runs of results/confirm.md: seeds never run in the exploration, every setting
 # fixed there (the lrs are typed, not re-chosen by best_lr), in the order the claims are listed.
 CONFIRM_SEEDS=100,101,102,103,104,105
@@ -300,6 +300,23 @@ confirm)
             --arm recipe=,lr=0.01 --arm baseline=config/_baseline.py,lr=0.01 ;;
     *) echo "unknown confirmation claim $claim: one of $CONFIRM" >&2; exit 2 ;;
     esac; done
+    ;;
+confirm_report)
+    # results/confirm.md's tables, from the confirmation seeds alone: each claim's d per seed, its
+    # mean, std and 95% t-interval (eval.py report --pair: B - A). A claim whose runs have not all
+    # landed is skipped.
+    c=results/confirm
+    made ${c}_lm.json && python eval.py report ${c}_lm.json --per-seed loss --out results/report_confirm_lm.md \
+        --pair ${c}_lm.json:recipe ${c}_lm.json:baseline
+    made ${c}_tokens/seed105.json && python eval.py report ${c}_tokens/*.json --out results/report_confirm_tokens.md
+    made ${c}_settings.json && python eval.py report ${c}_settings.json --per-seed loss \
+        --pair ${c}_lm.json:recipe ${c}_settings.json:eps1e-5_no_gate --out results/report_confirm_settings.md
+    made ${c}_gamma.json && python eval.py report ${c}_gamma.json --per-seed loss --out results/report_confirm_gamma.md \
+        --pair ${c}_gamma.json:gamma0.5 ${c}_lm.json:recipe --pair ${c}_gamma.json:gamma0.75 ${c}_lm.json:recipe
+    for claim in moe budget; do
+        made ${c}_$claim.json && python eval.py report ${c}_$claim.json --per-seed loss \
+            --pair ${c}_$claim.json:recipe ${c}_$claim.json:baseline --out results/report_confirm_$claim.md
+    done
     ;;
 report)
     # The README tables and plots.
