@@ -80,10 +80,11 @@ layout)
     # {anywhere it fits, the first 5 positions, the last 5}, both arms, 3 seeds, in one sweep whose
     # arms are {recipe,baseline}_len{N}_{window}. The key is at position p, the held-out pair at p+1
     # and p+2, the answer after the last input: the window sets the distance between pair and answer.
-    # Two cells ran before with these seeds (len 9 anywhere: anchor_ablate's recipe and baseline; len
-    # 15 anywhere: anchor_len15) and run last here, as reruns of those.
+    # Columns in turn (key first, then last: the outside check's layout was a long sequence with the
+    # key first), the new anywhere cell, then the two cells that ran before with these seeds (len 9
+    # anywhere: anchor_ablate's recipe and baseline; len 15 anywhere: anchor_len15), as reruns.
     arms=()
-    for cell in 9:first 9:last 12:first 12:any 12:last 15:first 15:last 9:any 15:any; do
+    for cell in 9:first 15:first 12:first 9:last 15:last 12:last 12:any 9:any 15:any; do
         n=${cell%:*} window=${cell#*:}
         case $window in
         any) data=$([ $n = 9 ] && echo anchor || echo anchor_len$n); kp=() ;;
