@@ -679,7 +679,7 @@ def main(argv):
         p = argparse.ArgumentParser(prog="train.py export", description="one file (pt) or a HF transformers folder (hf)")
         p.add_argument("ckpt", help="checkpoint folder (hf: also a .pt export or a run folder)")
         p.add_argument("out", help="pt: the file to write; hf: the folder")
-        p.add_argument("--format", choices=["pt", "hf"], default="pt")
+        p.add_argument("--format", choices=["pt", "hf"], default="pt", help="pt: one torch file; hf: a transformers folder")
         p.add_argument("--tokenizer-dir", help="hf: offline tiktoken files (prepare_data.py --tokenizer-dir)")
         a = p.parse_args(argv[1:])
         if a.format == "pt":
