@@ -892,6 +892,7 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name, func, help, data=False, ckpt=True, plot=False, output=True, runs_model=True):
+        """data: False, "folder" (--data only) or "batches" (--data and the batch budget flags)."""
         p = sub.add_parser(name, help=help)
         p.set_defaults(func=func, json_out=None, plot=None)
         if ckpt:
@@ -906,6 +907,9 @@ def build_parser():
             p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
         if data:
             p.add_argument("--data", help="data folder from prepare_data.py (default: the run's data_dir)")
+        # Only the analyses that read a token budget of batches take these; bench scores whole
+        # records or published items and would silently ignore them.
+        if data == "batches":
             p.add_argument("--split", default="val", help="split of --data to read (val, test, ...)")
             p.add_argument("--tokens", type=at_least(1), default=65536, help="token budget")
             p.add_argument("--batch-size", type=at_least(1), default=8, help="sequences per forward")
@@ -913,12 +917,12 @@ def build_parser():
                            help="default: the run's training seq_len, at most the model's max_seq_len")
         return p
 
-    command("loss", run_loss, "validation loss overall and per source", data=True)
-    p = command("tokens", run_tokens, "per-token Δsym of A over B by difficulty bucket", data=True, ckpt=False, plot=True)
+    command("loss", run_loss, "validation loss overall and per source", data="batches")
+    p = command("tokens", run_tokens, "per-token Δsym of A over B by difficulty bucket", data="batches", ckpt=False, plot=True)
     p.add_argument("ckpt_a", help="model A (.pt export, checkpoint folder or run folder): Δsym > 0 where A is better")
     p.add_argument("ckpt_b", help="model B, on the same tokenizer")
     p.add_argument("--buckets", type=at_least(1), default=10, help="equal-count difficulty buckets, easy to hard")
-    command("sink", run_sink, "attention share on the first token per layer/head", data=True)
+    command("sink", run_sink, "attention share on the first token per layer/head", data="batches")
     p = command("weights", run_weights, "stable rank and row cosine of every matrix", ckpt=False, plot=True,
                 runs_model=False)
     p.add_argument("ckpts", nargs="+", help="checkpoints or run folders; several -> trajectory")
@@ -928,7 +932,7 @@ def build_parser():
     p.add_argument("--heatmap", help="PNG of the clustered row-cosine matrix of --heatmap-matrix")
     p.add_argument("--heatmap-matrix", default="layers.0.attn.wq.weight", help="the matrix --heatmap draws")
     p = command("residual", run_residual, "branch / residual RMS per layer, or its exponent at init",
-                data=True, ckpt=False)
+                data="batches", ckpt=False)
     p.add_argument("ckpt", nargs="?", help=".pt export, checkpoint folder or run folder (none with --init)")
     p.add_argument("--init", action="store_true", help="fresh models across --widths instead of a checkpoint")
     p.add_argument("--widths", type=at_least(1), nargs="+", default=[64, 128, 256, 512],
@@ -939,7 +943,7 @@ def build_parser():
     p.add_argument("--attn-gate", default="none", help="--init: elementwise, headwise or none")
     # The benchmarks' code and options live in downstream.py; bench is a subcommand here for the one CLI.
     p = command("bench", downstream.run_bench, "HellaSwag, GSM8K, MATH-500 (lm-eval's definitions) or the anchor task",
-                data=True)
+                data="folder")
     downstream.add_arguments(p)
     p = command("scaling", run_scaling, "fit L(N) = a N^-α + c; effective size of compared runs", ckpt=False, plot=True,
                 runs_model=False)

@@ -532,6 +532,21 @@ def test_size_and_count_flags_are_refused_below_their_minimum_when_parsed(argv, 
     assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: argument {flag}: must be >= {minimum} (got {bad})")
 
 
+@pytest.mark.parametrize("flag,value", [("--split", "test"), ("--tokens", "512"), ("--batch-size", "4"),
+                                        ("--seq-len", "32")])
+def test_bench_refuses_the_batch_flags_it_would_ignore(flag, value, capsys):
+    # bench scores whole records (anchor) or published items: a token budget, batch size,
+    # length or split would change nothing, so they are not accepted rather than ignored.
+    bench = ["bench", "m.pt", "--task", "anchor", "--data", "data/anchor"]
+    assert ev.build_parser().parse_args(bench).data == "data/anchor"
+    with pytest.raises(SystemExit) as exit_info:
+        ev.build_parser().parse_args(bench + [flag, value])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: unrecognized arguments: {flag} {value}")
+    # The analyses that read batches keep them.
+    assert str(getattr(ev.build_parser().parse_args(["loss", "m.pt", flag, value]), flag[2:].replace("-", "_"))) == value
+
+
 def test_data_the_model_does_not_fit_is_refused_in_one_line(tmp_path, text_data, capsys):
     # train.py's check (prepare_data.check_model_vocab) before any data is read. A gpt2 model on
     # byte data scored a silent loss near ln(50304); a model whose vocab is smaller than the data's
