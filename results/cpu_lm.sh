@@ -96,7 +96,7 @@ print(" ".join(f"{n}={statistics.mean(v)!r}" for n, v in sorted(by_n.items())))
 PY
 }
 
-ALL="data lr settings layernorm gamma analyses budget wd scale moe lr_width lr_fine gamma_fine settings_fine confirm report confirm_report"
+ALL="data lr settings layernorm gamma analyses budget wd scale moe lr_width lr_fine gamma_fine settings_fine confirm report confirm_report eps_regime"
 # The confirmation runs of results/confirm.md: seeds never run in the exploration, every setting
 # fixed there (the lrs are typed, not re-chosen by best_lr), in the order the claims are listed.
 CONFIRM_SEEDS=100,101,102,103,104,105
@@ -317,6 +317,27 @@ confirm_report)
         made ${c}_$claim.json && python eval.py report ${c}_$claim.json --per-seed loss \
             --pair ${c}_$claim.json:recipe ${c}_$claim.json:baseline --out results/report_confirm_$claim.md
     done
+    ;;
+eps_regime)
+    # Issue 26, item 1: the ε regime law. At init the residual stream's mean square is about d^-2γ,
+    # so RMSNorm's ε acts through one ratio, r = ε·d^(2γ): at the paper's d=2048, γ=1, ε=1e-5,
+    # r ≈ 42 (ε dominates the norm); at this study's d=64 the same ε is r ≈ 0.04. The regime is
+    # reached here by raising ε instead of d. γ=1 with the gate at the scale section's widths and
+    # budgets (~20 tokens per parameter) and each width's recipe lr, ε = r/d^2 for r = 1e-3..1e2
+    # next to ε=1e-12, 3 seeds; then γ=0.5 (ε=1e-12's γ sweep arm and lr) at d 64 with d 64's ε
+    # values, where r = ε·d is 64x smaller. The question: does Δloss(ε) collapse onto one curve in r?
+    tuned_lrs || continue
+    RATIOS="0.001 0.01 0.1 1 10 100"
+    arms=()
+    for size in 32:104:10 48:176:18 64:320:32; do
+        IFS=: read -r d steps warm <<<"$size"
+        lr=$([ $d = 64 ] && echo $R || best_lr results/scale_lr.json recipe model.d_model=$d)
+        for eps in 1e-12 $(for r in $RATIOS; do awk "BEGIN { printf \"%g \", $r / ($d * $d) }"; done); do
+            arms+=(--arm "g1_d${d}_eps$eps=,model.d_model=$d,max_steps=$steps,warmup_steps=$warm,lr=$lr,model.norm_eps=$eps")
+            [ $d = 64 ] && arms+=(--arm "g05_d64_eps$eps=,gamma=0.5,lr=$(best_lr results/gamma_lr.json base gamma=0.5),model.norm_eps=$eps")
+        done
+    done
+    $SWEEP --name eps_regime --seeds 0,1,2 "${arms[@]}"
     ;;
 report)
     # The README tables and plots.
