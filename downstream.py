@@ -126,17 +126,21 @@ def hellaswag_item(activity_label, ctx_a, ctx_b, endings, label):
             "endings": [lm_eval_clean(e) for e in endings], "label": int(label)}
 
 
-SENTENCE_END = re.compile(r"[.!?]\s")
+# A sentence ends at '.', '!' or '?', after any closing quotes or brackets ('He says "hi." he').
+SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s")
+ENDS_SENTENCE = re.compile(r"[.!?][\"')\]]*$")
 
 
 def split_text_context(line):
     """(activity_label, ctx_a, ctx_b) of a text-format line `activity_label: ctx`, which lost the
-    boundary between ctx_a and ctx_b: ctx_b is taken to be the unfinished sentence at the end
-    (after the last '. ', '! ' or '? '), none when ctx ends a sentence. HellaSwag's ctx_b is the
-    start of the sentence the ending completes, so this recovers it except where ctx_a itself
-    ends mid-sentence; the jsonl or the hub give the fields exactly."""
+    boundary between ctx_a and ctx_b. HellaSwag's rule: ctx is ctx_a, then a space and ctx_b when
+    ctx_b is not empty, and ctx_b is the unfinished noun phrase the ending completes (ActivityNet;
+    empty for WikiHow, whose contexts end a sentence). So ctx_b is taken to be the unfinished
+    sentence at the end, none when ctx ends a sentence. Wrong only where ctx_a itself ends
+    mid-sentence or ctx_b holds an abbreviation ('st. louis'); on the kit's file the recovered
+    ctx_b fall on exactly the ActivityNet items. The jsonl or the hub give the fields exactly."""
     label, _, ctx = line.partition(": ")
-    if not ctx or ctx.rstrip()[-1:] in ".!?":
+    if not ctx or ENDS_SENTENCE.search(ctx.rstrip()):
         return label, ctx, ""
     cut = max((m.end() for m in SENTENCE_END.finditer(ctx)), default=0)
     return label, ctx[:cut].rstrip(), ctx[cut:]

@@ -141,6 +141,90 @@ def test_text_format_context_split_and_bad_file(tmp_path):
         ds.read_hellaswag(str(tmp_path / "bad.txt"))
 
 
+# Records built by HellaSwag's own rules (rowanz/hellaswag README): ctx is ctx_a, then a space and
+# ctx_b when ctx_b is not empty; ctx_b is the unfinished noun phrase the ending completes
+# (ActivityNet), empty where the context ends a sentence (WikiHow). Beside each, its line in the
+# kit's text format, written by hand: `activity_label: ctx` after the carrier's clean-up
+# ([header]/[step]/[substeps] dropped, " [title]" -> ". ", double spaces collapsed once, one
+# leading space trimmed).
+RECOVERED = [
+    (("Roof shingle removal", "A man is sitting on a roof.", "he"), "Roof shingle removal: A man is sitting on a roof. he"),
+    # several sentences; a capital inside ctx_b (capitalize() lower-cases it, as lm-eval does)
+    (("Kayaking", "Two men paddle a boat. They reach the shore!", "the man in the Red jacket"),
+     "Kayaking: Two men paddle a boat. They reach the shore! the man in the Red jacket"),
+    (("Archery", "Is the target far? A woman draws her bow?", "then, she"),
+     "Archery: Is the target far? A woman draws her bow? then, she"),
+    # a point that ends no sentence: a decimal (no space after it)
+    (("Springboard diving", "A girl climbs the 2.5 m ladder.", "the girl on the 2.5 m board"),
+     "Springboard diving: A girl climbs the 2.5 m ladder. the girl on the 2.5 m board"),
+    # numbered caption steps, as in the kit
+    (("Playing saxophone", "1 a guy is playing the saxophone.", "2 a guy"),
+     "Playing saxophone: 1 a guy is playing the saxophone. 2 a guy"),
+    # ctx_a ending in a quotation or a bracket: the sentence ends after the closing mark
+    (("Walking the dog", 'A sign reads "Keep Out." A man walks past it.', "the dog"),
+     'Walking the dog: A sign reads "Keep Out." A man walks past it. the dog'),
+    (("Walking the dog", 'A sign reads "Keep Out."', "the dog"), 'Walking the dog: A sign reads "Keep Out." the dog'),
+    (("Walking the dog", "A man walks his dog (a Big poodle.)", "the dog"),
+     "Walking the dog: A man walks his dog (a Big poodle.) the dog"),
+    # an opening quote in ctx_b, as on the kit's screen captions
+    (("Basketball", 'The words "Power Dribble" appear on screen.', '" power dribble'),
+     'Basketball: The words "Power Dribble" appear on screen. " power dribble'),
+    # WikiHow: ctx_b empty, markup cleaned by the carrier; ends with '.', '!' or a quotation
+    (("Home and Garden", "[header] How to plant a tree [title] Dig a hole. [step] Make it  wide.", ""),
+     "Home and Garden: How to plant a tree. Dig a hole. Make it wide."),
+    (("Relationships", "[header] How to apologize [title] Be sincere. [step] Say it out Loud!", ""),
+     "Relationships: How to apologize. Be sincere. Say it out Loud!"),
+    (("Relationships", '[header] How to apologize [title] Be sincere. [step] Tell them "I am Sorry."', ""),
+     'Relationships: How to apologize. Be sincere. Tell them "I am Sorry."'),
+]
+# What the text cannot tell apart, pinned so a change shows: a ctx_a that ends mid-sentence
+# with no ctx_b reads as an unfinished ctx_b (none of the kit's WikiHow contexts does), and an
+# abbreviation's point inside ctx_b cuts it short (no kit ctx_a ends in one).
+NOT_RECOVERED = [
+    (("Finance and Business", "[header] How to save [title] Open an account. [step] Ask Tom to", ""),
+     "Finance and Business: How to save. Open an account. Ask Tom to",
+     ("Finance and Business", "How to save. Open an account.", "Ask Tom to")),
+    (("Parade", "People march down the street.", "the man in the st. louis shirt"),
+     "Parade: People march down the street. the man in the st. louis shirt",
+     ("Parade", "People march down the street. the man in the st.", "louis shirt")),
+]
+
+
+@pytest.mark.parametrize("record,line", RECOVERED)
+def test_text_format_split_recovers_hand_built_records(record, line):
+    label, ctx_a, ctx_b = record
+    assert ctx_a and (ctx_b or "[header]" in ctx_a)  # the two forms of the published records
+    recovered = ds.split_text_context(line)
+    endings = ["runs.", "sits down.", "waves", "jumps."]
+    assert recovered[2] == ctx_b
+    if "[" not in ctx_a:  # markup-free: the fields themselves come back
+        assert recovered == record
+    # What is scored: lm-eval's query from the recovered fields equals the one from the record.
+    assert ds.hellaswag_item(*recovered, endings, 0) == ds.hellaswag_item(*record, endings, 0)
+
+
+@pytest.mark.parametrize("record,line,recovered", NOT_RECOVERED)
+def test_text_format_split_limits_on_hand_built_records(record, line, recovered):
+    endings = ["runs.", "sits down.", "waves", "jumps."]
+    assert ds.split_text_context(line) == recovered
+    assert ds.hellaswag_item(*recovered, endings, 0)["ctx"] != ds.hellaswag_item(*record, endings, 0)["ctx"]
+
+
+def test_text_format_split_falls_on_the_kits_activitynet_items():
+    # HellaSwag's ActivityNet items have a ctx_b, its WikiHow items none, and their activity
+    # labels are disjoint (WikiHow's are its 19 categories): the recovered split must separate
+    # the labels, or it put a boundary into a context of the other kind.
+    with bz2.open(kit_file("hellaswag", "hellaswag_val_full.txt.bz2"), "rt", encoding="utf-8") as f:
+        contexts = f.read().rstrip("\n").split("\n")[::6]
+    split = [ds.split_text_context(c) for c in contexts]
+    with_b = {label for label, _, ctx_b in split if ctx_b}
+    without_b = {label for label, _, ctx_b in split if not ctx_b}
+    assert not with_b & without_b
+    assert len(without_b) == 19 and {"Home and Garden", "Personal Care and Style", "Sports and Fitness"} < without_b
+    assert sum(bool(ctx_b) for _, _, ctx_b in split) == 3243  # every ActivityNet item: the file's first 3,243
+    assert all(ctx_b for _, _, ctx_b in split[:3243]) and not any(ctx_b for _, _, ctx_b in split[3243:])
+
+
 def test_hellaswag_reads_the_published_validation_file():
     items, _ = ds.read_hellaswag(kit_file("hellaswag", "hellaswag_val_full.txt.bz2"))
     assert len(items) == 10042  # the README of the data kit
