@@ -536,7 +536,7 @@ def generation_bench(model, tokenizer, args):
                "temperature": args.temperature, "num_samples": args.num_samples}
     if args.task == "math500" and verifier is None:
         summary["math_verify"] = "not installed (pip install math-verify)"
-    return summary, rows[:20]
+    return summary, rows
 
 
 # ----------------------------------------------------------------------------- anchor task
@@ -607,6 +607,9 @@ def add_arguments(p):
     p.add_argument("--num-samples", type=at_least(1), default=1, help=">1: mean accuracy and majority vote")
 
 
+PRINTED_ROWS = 20
+
+
 def run_bench(args):
     model, info = load_model(args.ckpt, args.device)
     if args.task == "anchor":
@@ -620,7 +623,8 @@ def run_bench(args):
         scores, rows = hellaswag_scores(model, encode, items, args.truncate)
         summary = {"task": "hellaswag", "convention": f"lm-eval hellaswag; context {context}; acc_norm per character, "
                    "acc_norm_tokens per token", "tasks": len(items), **scores}
-        rows = rows[:20]  # like gsm8k/math500: a sample of per-item rows, not thousands
     else:
         summary, rows = generation_bench(model, tokenizer_of(info, args.tokenizer_dir), args)
-    return {"analysis": "bench", "ckpt": args.ckpt, "summary": summary, "rows": rows}
+    # Every item's row goes to --json-out (a per-item comparison needs them all); the printed
+    # table shows the first PRINTED_ROWS, not thousands.
+    return {"analysis": "bench", "ckpt": args.ckpt, "summary": summary, "rows": rows, "rows_printed": PRINTED_ROWS}

@@ -990,7 +990,11 @@ def main(argv=None):
         return None
     print(format_table([result["summary"]]))
     if result.get("rows"):
-        print(format_table(result["rows"]))
+        # bench returns every item's row for the JSON and prints only the first few.
+        rows, shown = result["rows"], result.get("rows_printed", len(result["rows"]))
+        print(format_table(rows[:shown]))
+        if shown < len(rows):
+            print(f"(the first {shown} of {len(rows)} rows; --json-out writes them all)")
     if len(result.get("trajectory", [])) > 1:
         print(format_table(result["trajectory"]))
     if args.json_out:

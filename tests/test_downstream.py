@@ -321,6 +321,35 @@ def test_bench_hellaswag_every_source_against_one_forward_per_ending(tmp_path, m
         assert summary["acc"] == acc
 
 
+def test_bench_json_holds_every_items_row_and_the_table_the_first_20(tmp_path, capsys):
+    # A per-item comparison (tests/test_lm_eval_parity.py) needs every row; bench kept only the
+    # first 20 in its result and JSON.
+    model = tiny_model(seed=4)
+    ckpt = export(model, tmp_path / "m.pt")
+    records = [{**r, "label": i % 4} for i, (r, _, _) in enumerate(RECORDS[1:] * 13)]  # 26 items
+    expected = [brute_force_logliks(model, query, choices) for _, query, choices in RECORDS[1:] * 13]
+    write_text_format(tmp_path / "hs.txt", records)
+    capsys.readouterr()
+    result = ev.main(["bench", ckpt, "--task", "hellaswag", "--source", str(tmp_path / "hs.txt"),
+                      "--json-out", str(tmp_path / "hs.json")])
+    printed = capsys.readouterr().out
+    with open(tmp_path / "hs.json") as f:
+        written = json.load(f)
+    for rows in (result["rows"], written["rows"]):
+        assert len(rows) == 26
+        for row, sums, record in zip(rows, expected, records):
+            assert row["loglik"] == pytest.approx(sums, rel=1e-5) and row["label"] == record["label"]
+    # The table: a header and 20 rows (each row starts with its label), then the count of the rest.
+    table = printed.split("loglik", 1)[1].strip().splitlines()
+    assert len(table) == 21 and table[-1] == "(the first 20 of 26 rows; --json-out writes them all)"
+    # The generation tasks: every problem's row too.
+    problems = [{"question": f"What is {n}+1?", "answer": f"#### {n + 1}"} for n in range(25)]
+    (tmp_path / "gsm.jsonl").write_text("".join(json.dumps(p) + "\n" for p in problems))
+    model = Scripted(lambda prompt: ["The answer is 1.\n"])
+    summary, rows = ds.generation_bench(model, BYTES, bench_args(source=str(tmp_path / "gsm.jsonl")))
+    assert summary["problems"] == len(rows) == 25 and [r["reference"] for r in rows] == [str(n + 1) for n in range(25)]
+
+
 def test_a_context_that_does_not_fit_is_an_error_or_cut_on_request(tmp_path, capsys):
     model = tiny_model(seed=4, max_seq_len=32)
     ckpt = export(model, tmp_path / "m.pt")
