@@ -15,7 +15,7 @@ from decimal import Decimal
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "results")
 
-CLAIMS_HEADERS = ("| the paper says", "| the predecessor says")
+CLAIMS_HEADERS = ("| the paper says", "| the predecessor says", "| # | claim (paper's side)")
 VERDICT_HEADERS = ("| claim | verdict",)
 
 # A decimal number, not part of a word, a longer number, a setting in scientific notation
@@ -106,6 +106,10 @@ ROUNDED = {
     "1.18": [("scaling/mean.json", "1.175003218271886")],  # d_model 32 (and 48)
     "1.01": [("scaling/mean.json", "1.0099676489717582"),  # d_model 64
              ("report_scaling.md", "1.006")],  # the per-seed fit of seed 2
+    # the confirmation table (results/README.md "Confirmation runs")
+    "0.140": [("report_settings_fine.md", "+0.1399")],  # claim 3's exploration: both off − recipe at 5.5e-3
+    "0.51": [("report_confirm_anchor.md", "0.5065")],  # claim 7: the baseline's least symmetric share
+    "0.71": [("report_confirm_anchor.md", "0.7140")],  # claim 7: its most symmetric share
 }
 
 # Numbers no result file holds, with where they come from.
@@ -127,6 +131,14 @@ KNOWN = {
     "0.025": "the same range's high end (the no-gate row's 0.025 is in ROUNDED)",
     # The paper's number, not a measurement.
     "1.44": "the paper's effective model size for γ=1",
+    # The confirmation table: confirm.md's prediction and its exploration numbers for claim 7,
+    # s = inferential − symmetric share by seed of anchor_ablate.json's recipe and baseline.
+    "0.04": "claim 1's prediction in confirm.md (+0.01 to +0.04)",
+    "0.41": "confirm.md's misrounding of recipe seed 1's s (0.4380 − 0.0335 = 0.4045), quoted as such",
+    "0.46": "recipe seed 2: 0.4790 − 0.0165 = 0.4625",
+    "0.48": "baseline seed 1: 0.0520 − 0.5325 = −0.4805",
+    "0.64": "confirm.md's misrounding of baseline seed 2's s (0.0450 − 0.6930 = −0.648), quoted as such",
+    "0.65": "baseline seed 2: −0.648",
 }
 
 
