@@ -658,6 +658,47 @@ def test_anchor_scores_on_hand_made_predictions(anchor_data):
     assert summary["seen_pair_acc"] == 0.0 and summary["heldout_other"] == 1.0
 
 
+def test_heldout_shares_on_trained_keys_by_hand():
+    # Held-out (4,3) records, the key anywhere in 9 inputs of fillers (>= 20); keys 20, 21, 30
+    # trained, 50 and 51 never. Answers by hand: composite x-10, mirror x-6, else other.
+    meta = {"anchor": {"train_keys": [20, 21, 30], "mirror_shift": -6}}
+    def record(key, at):
+        inputs = [60] * 9
+        inputs[at:at + 3] = [key, 4, 3]
+        return inputs + [key - 10]
+    records = np.array([record(20, 0), record(21, 3), record(50, 6), record(30, 2), record(51, 1)])
+    predictions = [10, 15, 40, 77, 99]  # inferential, symmetric, inferential (untrained key), other, other
+    shares = ds.heldout_shares(records, predictions, meta)
+    assert (shares["inferential"], shares["symmetric"], shares["other"]) == pytest.approx((2 / 5, 1 / 5, 2 / 5))
+    assert shares["records_trained_keys"] == 3
+    assert (shares["inferential_trained_keys"], shares["symmetric_trained_keys"], shares["other_trained_keys"]) == \
+        pytest.approx((1 / 3, 1 / 3, 1 / 3))
+    # No trained key among the records: no share to report, not a division by zero.
+    assert ds.heldout_shares(records[[2, 4]], [40, 99], meta)["inferential_trained_keys"] is None
+
+
+def test_bench_anchor_reports_shares_on_trained_keys_beside_all_keys(tmp_path, anchor_data, monkeypatch, capsys):
+    # A model that composes on trained keys only (and answers the key itself on the rest):
+    # every trained-key answer is inferential, while the all-key share is the trained keys' share.
+    from prepare_data import load_meta, read_records
+    meta = load_meta(anchor_data)
+    train_keys = set(meta["anchor"]["train_keys"])
+    shift = {1: 5, 2: 1, 3: -2, 4: -8}
+    rule = lambda x, a, b: x - 6 if (a, b) == (3, 4) else (x + shift[a] + shift[b] if x in train_keys else x)
+    monkeypatch.setattr(ds, "load_model", lambda path, device: (AnchorOracle(rule), {"config": {}, "data_meta": meta}))
+    result = ev.main(["bench", "unused.pt", "--task", "anchor", "--data", anchor_data, "--json-out", str(tmp_path / "a.json")])
+    held = read_records(anchor_data, "heldout")
+    on_trained = np.mean([k in train_keys for k in held[:, -1] + 10])  # the stored target is x-10
+    summary = result["summary"]
+    assert 0.5 < on_trained < 1 and summary["heldout_inferential"] == pytest.approx(on_trained)
+    assert summary["heldout_inferential_trained_keys"] == 1.0
+    assert summary["heldout_symmetric_trained_keys"] == summary["heldout_other_trained_keys"] == 0.0
+    assert result["rows"][-1]["records_trained_keys"] == round(on_trained * len(held))
+    with open(tmp_path / "a.json") as f:
+        assert json.load(f)["summary"] == summary
+    assert "heldout_inferential_trained_keys" in capsys.readouterr().out
+
+
 def test_bench_anchor_end_to_end(tmp_path, anchor_data):
     from prepare_data import load_meta, read_records
     meta = load_meta(anchor_data)
