@@ -108,6 +108,7 @@ report)
         --per-seed $SHARES --out results/report_anchor_ablate.md
     python eval.py report results/anchor_width_lr.json --plot-x arm --plot-metric $SHARES \
         --per-seed $SHARES --out results/report_anchor_width_lr.md
+    python results/anchor_layout.py  # the layout map: report_anchor_layout.md, anchor_layout.png
     ;;
 confirm_report)
     # results/confirm.md, claim 7: s = inferential - symmetric share per run, recipe - baseline by seed.
