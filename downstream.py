@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from checkpoint import load_model
-from model import generate, token_logprobs
-from prepare_data import (anchor_accuracy, anchor_answer_kinds, anchor_fields, check_model_vocab, get_tokenizer, load_meta,
+from model import GPT, capture_attention, generate, token_logprobs
+from prepare_data import (ANCHOR_SHIFTS, anchor_accuracy, anchor_answer_kinds, anchor_fields, check_model_vocab, get_tokenizer, load_meta,
                           progress_bar, read_records)
 
 # ----------------------------------------------------------------------------- a checkpoint's data and tokenizer
@@ -565,6 +565,40 @@ def heldout_shares(records, predictions, meta):
             **{f"{k}_trained_keys": on_trained.get(k) for k in KINDS}}
 
 
+def anchor_key_positions(records):
+    """Where each record's key sits among its inputs: the token before the first anchor (1..4),
+    as prepare_data.anchor_records writes them (key at p, the pair at p+1 and p+2; fillers and
+    keys are never anchors, check_anchor_task refuses such ranges)."""
+    inputs = np.asarray(records, np.int64)[:, :-1]
+    return ((inputs >= 1) & (inputs <= max(ANCHOR_SHIFTS))).argmax(1) - 1
+
+
+@torch.no_grad()
+def answer_attention(model, records, batch_size=1024):
+    """Per layer, the attention of the answer position (the last input, whose output is the
+    answer) to the key and to the anchor pair (its two positions summed), averaged over heads and
+    records: {attn_to_key_L{i}, attn_to_pair_L{i}}. Does the answer read the pair it has to
+    compose, and where? Through the eager backend, the one that exposes the probabilities."""
+    device = next(model.parameters()).device
+    key = torch.as_tensor(anchor_key_positions(records))
+    inputs = torch.as_tensor(np.asarray(records)[:, :-1], device=device)
+    backend, totals = model.cfg.attn_backend, None
+    model.set_attn_backend("eager")
+    try:
+        for chunk, at in zip(inputs.split(batch_size), key.split(batch_size)):
+            # Reduced in the hook: the last query's row, mean over heads, (B, T) per layer.
+            with capture_attention(model, reduce=lambda p: p[:, :, -1].double().mean(1).cpu()) as layers:
+                model(chunk)
+            rows = torch.arange(len(chunk))
+            sums = torch.stack([torch.stack([a[rows, at].sum(), (a[rows, at + 1] + a[rows, at + 2]).sum()])
+                                for a in layers])  # (layers, [key, pair])
+            totals = sums if totals is None else totals + sums
+    finally:
+        model.set_attn_backend(backend)
+    means = (totals / len(records)).tolist()
+    return {f"attn_to_{what}_L{i}": layer[j] for i, layer in enumerate(means) for j, what in enumerate(("key", "pair"))}
+
+
 def anchor_scores(model, data_dir):
     """The anchor-function task: accuracy on seen pairs (train keys: val split; unseen keys: test
     split) and, on the held-out pair, the share of inferential (composite) vs symmetric (the
@@ -580,12 +614,15 @@ def anchor_scores(model, data_dir):
         row = {"split": split, "records": len(records), "accuracy": anchor_accuracy(records, predictions)}
         if split == "heldout":
             row.update(heldout_shares(records, predictions, meta))
+            # The mechanism behind the shares. Only a GPT exposes its attention probabilities
+            # (capture_attention); a stand-in model is scored without them.
+            attention = answer_attention(model, records) if isinstance(model, GPT) else {}
         rows.append(row)
     val, test, held = rows
     # The all-key fields keep their names and meaning, so committed results read the same.
     summary = {"task": "anchor", "seen_pair_acc": val["accuracy"], "test_key_acc": test["accuracy"],
                **{f"heldout_{k}": held[k] for k in KINDS},
-               **{f"heldout_{k}_trained_keys": held[f"{k}_trained_keys"] for k in KINDS}}
+               **{f"heldout_{k}_trained_keys": held[f"{k}_trained_keys"] for k in KINDS}, **attention}
     return summary, rows
 
 

@@ -699,6 +699,70 @@ def test_bench_anchor_reports_shares_on_trained_keys_beside_all_keys(tmp_path, a
     assert "heldout_inferential_trained_keys" in capsys.readouterr().out
 
 
+def hand_answer_attention(model, records):
+    """answer_attention by hand in float64: each layer's input (hooked), its RMSNorm, q and k,
+    RoPE as a rotation of the pairs (j, j + head_dim/2) by pos * theta^(-2j/head_dim), the
+    causal softmax of the last query, the mean over heads; the key position read record by record."""
+    inputs = torch.as_tensor(records[:, :-1])
+    seen = []
+    hooks = [block.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().double()))
+             for block in model.layers]
+    with torch.no_grad():
+        model(inputs)
+    for h in hooks:
+        h.remove()
+    cfg, T = model.cfg, inputs.shape[1]
+    hd = cfg.d_model // cfg.n_head
+    angle = torch.arange(T, dtype=torch.float64)[:, None] * cfg.rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    turn = torch.polar(torch.ones_like(angle), angle)  # (T, hd/2) unit complex numbers
+
+    def rotate(x):  # (B, T, heads, hd), pairs (j, j + hd/2) as complex numbers
+        z = torch.complex(x[..., :hd // 2], x[..., hd // 2:]) * turn[None, :, None]
+        return torch.cat([z.real, z.imag], dim=-1)
+
+    out = {}
+    for i, (x, block) in enumerate(zip(seen, model.layers)):
+        norm = block.attn_norm
+        h = x / torch.sqrt((x ** 2).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
+        q = rotate((h @ block.attn.wq.weight.double().T).view(len(x), T, cfg.n_head, hd))
+        k = rotate((h @ block.attn.wk.weight.double().T).view(len(x), T, cfg.n_kv_head, hd))
+        k = k.repeat_interleave(cfg.n_head // cfg.n_kv_head, dim=2)  # head n reads kv head n // group
+        last = torch.einsum("bnd,btnd->bnt", q[:, -1], k) / math.sqrt(hd)  # the last query sees every key
+        p = last.softmax(-1).mean(1)  # (B, T)
+        to_key, to_pair = [], []
+        for row, record in zip(p, records.tolist()):
+            at = next(t for t in range(1, T) if 1 <= record[t] <= 4) - 1
+            to_key.append(row[at].item())
+            to_pair.append(row[at + 1].item() + row[at + 2].item())
+        out[f"attn_to_key_L{i}"], out[f"attn_to_pair_L{i}"] = np.mean(to_key), np.mean(to_pair)
+    return out
+
+
+def test_answer_attention_equals_a_hand_softmax():
+    from model import GPTConfig
+    # 4 heads on 2 kv heads (grouped); queries scaled up so that attention is far from uniform
+    # (1/9 per position). Records of the held-out pair with the key at every position 0..6 (the
+    # pair up to the answer position itself).
+    model = GPT(GPTConfig(vocab_size=128, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=16))
+    init_model_(model, gamma=0.5, seed=7)
+    with torch.no_grad():
+        for block in model.layers:
+            block.attn.wq.weight.mul_(8)
+    model.eval()
+    rng = np.random.default_rng(0)
+    records = rng.integers(20, 100, size=(14, 10))
+    for n, at in enumerate(list(range(7)) * 2):
+        records[n, at:at + 3] = [records[n, at], 4, 3]
+    assert (ds.anchor_key_positions(records) == list(range(7)) * 2).all()
+    got = ds.answer_attention(model, records, batch_size=5)  # 3 batches, the last one short
+    want = hand_answer_attention(model, records)
+    assert set(got) == set(want) == {f"attn_to_{w}_L{i}" for w in ("key", "pair") for i in (0, 1)}
+    for name, value in want.items():
+        assert got[name] == pytest.approx(value, abs=1e-6), name
+    assert len({round(v, 3) for v in want.values()}) == 4  # distinct numbers: a mix-up would show
+    assert model.cfg.attn_backend == "sdpa"  # the eager backend was for the measurement only
+
+
 def test_bench_anchor_end_to_end(tmp_path, anchor_data):
     from prepare_data import load_meta, read_records
     meta = load_meta(anchor_data)
@@ -715,6 +779,14 @@ def test_bench_anchor_end_to_end(tmp_path, anchor_data):
     assert held["split"] == "heldout"
     assert held["inferential"] == pytest.approx((predicted == target).double().mean().item())
     assert held["symmetric"] == pytest.approx((predicted == target + 4).double().mean().item())
+    # The key positions read off the generator's layout: key at p, the pair (4,3) at p+1 and p+2,
+    # the target the key's composite; and the answer's attention to them, by hand.
+    at = ds.anchor_key_positions(records.numpy())
+    rows = np.arange(len(records))
+    assert (records[rows, at + 1] == 4).all() and (records[rows, at + 2] == 3).all()
+    assert (records[rows, at] - 10 == target).all() and len(set(at.tolist())) == 7  # positions 0..6 all used
+    want = hand_answer_attention(model, records.numpy())
+    assert {k: v for k, v in result["summary"].items() if k.startswith("attn_")} == pytest.approx(want, abs=1e-6)
 
 
 def test_bench_anchor_refuses_a_model_of_other_data(tmp_path, anchor_data, capsys):
