@@ -25,7 +25,7 @@ import time
 
 from eval import pyplot, save_figure
 from fileio import write_json
-from prepare_data import AnchorTask, usable_cores
+from prepare_data import AnchorTask, cpu_name, usable_cores
 from train import load_config
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -124,7 +124,9 @@ def read_metrics(run_dir):
     return train, val
 
 
-def table(results):
+def table(results, cpu, jobs):
+    """The comparison table; its last line names the CPU and how many trainings shared it, which
+    the wall-time column depends on."""
     head = (f"{'run':<18} {'inferential':>11} {'symmetric':>9} {'other':>6} {'seen acc':>8} {'new keys':>8} "
             f"{'val loss':>9} {'wall s':>6}")
     lines = ["held-out pair (4,3): inferential = x-10 (composed), symmetric = x-6 (copied from (3,4));",
@@ -133,6 +135,7 @@ def table(results):
     for r in results:
         lines.append(f"{r['label']:<18} {r['inferential']:>11.1%} {r['symmetric']:>9.1%} {r['other']:>6.1%} "
                      f"{r['seen_pair_acc']:>8.1%} {r['test_key_acc']:>8.1%} {r['val_loss']:>9.3g} {r['wall_s']:>6.0f}")
+    lines.append(f"ran on {cpu}, {jobs} training{'s' if jobs > 1 else ''} at a time")
     return "\n".join(lines)
 
 
@@ -216,9 +219,11 @@ def main(argv=None):
                         "val_loss": curves[name][1][-1][1], "wall_s": walls[name]})
 
     print()
-    print(table(results))
+    cpu = cpu_name()
+    print(table(results, cpu, args.jobs))
     write_json(os.path.join(out, "quickstart.json"),
-               {"smoke": args.smoke, "seed": args.seed, "settings": settings, "data": data, "results": results})
+               {"smoke": args.smoke, "seed": args.seed, "cpu": cpu, "jobs": args.jobs, "settings": settings, "data": data,
+                "results": results})
     png = os.path.join(out, "quickstart.png")
     if plot(results, curves, png):
         print(f"plot: {png}")

@@ -52,6 +52,10 @@ def test_table_printed_with_sane_numbers(smoke):
         with open(out / r["name"] / "metrics.jsonl") as f:
             val = [row["val_loss"] for row in map(json.loads, f) if "val_loss" in row]
         assert math.isfinite(val[-1]) and val[-1] < val[0] and val[-1] == r["val_loss"]
+    # The summary names the machine its wall times come from.
+    from prepare_data import cpu_name
+    assert result["cpu"] == cpu_name() and result["jobs"] >= 1
+    assert f"ran on {cpu_name()}, {result['jobs']} training" in stdout
     if importlib.util.find_spec("matplotlib"):
         assert (out / "quickstart.png").stat().st_size > 0
     else:
@@ -83,3 +87,12 @@ def test_heldout_shares_match_a_hand_count(smoke):
                 counts["other"] += 1
         for kind, n in counts.items():
             assert np.isclose(r[kind], n / len(records)), (r["name"], kind)
+
+
+def test_table_names_the_cpu():
+    import quickstart
+    row = {"label": "γ=1 paper recipe", "inferential": 0.5, "symmetric": 0.25, "other": 0.25, "seen_pair_acc": 1.0,
+           "test_key_acc": 0.0, "val_loss": 0.1, "wall_s": 12.0}
+    lines = quickstart.table([row], "Intel(R) Xeon(R) Test CPU @ 2.00GHz", 2).splitlines()
+    assert lines[-1] == "ran on Intel(R) Xeon(R) Test CPU @ 2.00GHz, 2 trainings at a time"
+    assert quickstart.table([row], "Apple M2", 1).splitlines()[-1] == "ran on Apple M2, 1 training at a time"
