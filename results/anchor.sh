@@ -12,7 +12,7 @@ anchor_data() {  # anchor_data NAME [prepare_data.py anchor options]: data/NAME,
     local out=data/$1; shift
     [ -f $out/meta.json ] || python prepare_data.py anchor --out $out "$@"
 }
-ALL="data phase robust ablate width_lr confirm layout report confirm_report"
+ALL="data phase robust ablate width_lr confirm layout layout_bench report confirm_report"
 all_anchor_data() {  # every data set of the sections below: the tuned task and the robustness variants
     anchor_data anchor
     anchor_data anchor_heldout24 --heldout 2,4 --mirror-shift -5
@@ -23,6 +23,7 @@ all_anchor_data() {  # every data set of the sections below: the tuned task and 
 }
 SECTIONS=${*:-$ALL}
 SHARES=heldout_inferential,heldout_symmetric  # the held-out answer shares the reports plot and list by seed
+made() { [ -s "$1" ]; }  # an analysis whose output exists is not redone
 
 for section in $SECTIONS; do case $section in
 data)
@@ -97,6 +98,22 @@ layout)
                --arm baseline_len${n}_$window=config/_baseline.py,data_dir=data/$data,seq_len=$n)
     done
     $SWEEP --name anchor_layout --seeds 0,1,2 "${arms[@]}"
+    ;;
+layout_bench)
+    # The layout map's runs and claim 7's, scored again by today's eval.py bench (their rows were
+    # scored when they ran): shares on trained keys, and the answer position's attention to the key
+    # and the pair by layer (the mechanism). One JSON per finished run in results/anchor_bench/.
+    for sweep in anchor_layout confirm_anchor; do
+        mkdir -p results/anchor_bench/$sweep
+        for run in out/sweeps/$sweep/*/; do
+            point=$(basename $run)
+            [ -s $run/sweep_point.json ] || continue  # not finished
+            data=$(python -c "import json, sys; print(json.load(open(sys.argv[1]))['data_dir'])" $run/config.json)
+            made results/anchor_bench/$sweep/$point.json || python eval.py bench $run --task anchor --data $data \
+                --json-out results/anchor_bench/$sweep/$point.json > /dev/null
+        done
+    done
+    python results/anchor_layout.py
     ;;
 report)
     python eval.py report results/anchor_phase.json --plot-x gamma --plot-y model.n_layer \

@@ -5,7 +5,10 @@ layout` (results/anchor_layout.json). Shares on trained keys sit beside those on
 the rows have them (about 20% of held-out records have a key never trained, so a share on all
 keys tops out near 0.8). The two cells that ran before under other names are read from their
 files (len 9 anywhere: anchor_ablate.json; len 15 anywhere: anchor_len15.json) when the map
-lacks them, and marked.
+lacks them, and marked. Where `bash results/anchor.sh layout_bench` scored a run again
+(results/anchor_bench/<sweep>/<point>.json), that score is used, with the answer position's
+attention to the key and to the pair by layer: the mechanism table, next to claim 7's runs (the
+tuned layout, seeds 100-105).
 
     python results/anchor_layout.py   # writes results/report_anchor_layout.md and anchor_layout.png
 """
@@ -23,6 +26,12 @@ from fileio import atomic_write_bytes  # noqa: E402
 LENGTHS, WINDOWS, ARMS = (9, 12, 15), ("first", "any", "last"), ("recipe", "baseline")
 WINDOW_NAMES = {"first": "key in the first 5 positions", "any": "key anywhere", "last": "key in the last 5 positions"}
 EARLIER = {(9, "any"): "anchor_ablate.json", (15, "any"): "anchor_len15.json"}
+
+
+def bench_summary(sweep, row):
+    """The row's summary, or its later score by today's bench where there is one."""
+    path = os.path.join(HERE, "anchor_bench", sweep, f"{row['arm']}-seed{row['seed']}.json")
+    return json.load(open(path))["summary"] if os.path.exists(path) else row["eval"]["anchor"]["summary"]
 
 
 def margins(summary, suffix=""):
@@ -48,7 +57,7 @@ def cells():
                 key = (*cell, row["arm"])
             else:
                 continue
-            out.setdefault(key, {})[row["seed"]] = row["eval"]["anchor"]["summary"]
+            out.setdefault(key, {})[row["seed"]] = bench_summary(os.path.splitext(name)[0], row)
             source[key[:2]] = name
     return out, source
 
@@ -80,6 +89,32 @@ def report(found, source):
     return "\n".join(lines) + "\n"
 
 
+ATTENTION = ("attn_to_key_L0", "attn_to_pair_L0", "attn_to_key_L1", "attn_to_pair_L1")
+
+
+def mechanism(found):
+    """The answer position's mean attention to the key and to the pair (two positions summed), per
+    layer, averaged over heads, held-out records and seeds; for every cell scored again."""
+    runs = dict(found)
+    path = os.path.join(HERE, "confirm_anchor.json")
+    if os.path.exists(path):
+        for row in json.load(open(path))["rows"]:
+            runs.setdefault(("claim 7", "tuned", row["arm"]), {})[row["seed"]] = bench_summary("confirm_anchor", row)
+    lines = ["", "## The answer position's attention (mechanism)", "",
+             "Mean over seeds of the attention from the last input position (whose output is the answer) to "
+             "the key and to the two pair positions, layer 0 and layer 1, averaged over heads and held-out "
+             "records; s as above. Claim 7's runs are the tuned layout (length 9, key anywhere), seeds 100–105.", "",
+             "| cells | arm | runs | mean s | key L0 | pair L0 | key L1 | pair L1 |", "|---|---|---|---|---|---|---|---|"]
+    for (n, w, arm), seeds in sorted(runs.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]), kv[0][2])):
+        scored = [v for v in seeds.values() if ATTENTION[0] in v]
+        if not scored:
+            continue
+        where = "claim 7 (length 9, key anywhere)" if n == "claim 7" else f"length {n}, {WINDOW_NAMES[w]}"
+        att = " | ".join(f"{statistics.mean(v[k] for v in scored):.3f}" for k in ATTENTION)
+        lines.append(f"| {where} | {arm} | {len(scored)} | {statistics.mean(margins(v) for v in scored):+.2f} | {att} |")
+    return "\n".join(lines) + "\n" if len(lines) > 7 else ""
+
+
 def plot(found, path):
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
@@ -102,7 +137,7 @@ def plot(found, path):
 
 def main():
     found, source = cells()
-    text = report(found, source)
+    text = report(found, source) + mechanism(found)
     atomic_write_bytes(os.path.join(HERE, "report_anchor_layout.md"), [text.encode()])
     print(text)
     plot(found, os.path.join(HERE, "anchor_layout.png"))
