@@ -29,6 +29,7 @@ visited, on the device, or on how the model is sharded: under FSDP2 each rank fi
 shard from the same full tensor, and 1 rank and N ranks end with identical full weights.
 """
 
+import difflib
 import math
 import re
 import warnings
@@ -275,14 +276,41 @@ def _gamma_for(name, gamma, overrides):
     return gamma
 
 
-def _check_overrides(overrides, params):
-    # A pattern that matches only the alias of a tied tensor would change nothing (the tensor
-    # is drawn under its first name): name the tensor that decides it instead of dropping it.
-    for pattern in overrides or {}:
-        hits = [(name, first) for name, *_, first in params if re.search(pattern, name)]
-        if hits and all(name != first for name, first in hits):
+def check_overrides(overrides, module):
+    """Raise a one-line ValueError for an overrides entry that would not do what it says: a key
+    that is not a valid regex, a γ that is not a number, a pattern that matches no parameter (a
+    typo would leave every tensor at the global γ, silently), or one that matches only the alias
+    of a tied tensor (which is drawn under its first name, so the override would change nothing).
+    Callers can check a config against a model built on the meta device before training."""
+    drawn = _drawn_names(module)
+    for pattern, value in (overrides or {}).items():
+        try:
+            regex = re.compile(pattern)
+        except (re.error, TypeError) as e:
+            raise ValueError(f"overrides pattern {pattern!r} is not a valid regex ({e}): fix it, e.g. "
+                             f"r'^lm_head\\.' for the output head") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"overrides pattern {pattern!r} maps to {value!r}: the value must be a number, the "
+                             f"γ of the parameters it matches")
+        hits = [(name, first) for name, first in drawn if regex.search(name)]
+        if not hits:
+            close = difflib.get_close_matches(pattern, [name for name, _ in drawn], n=3, cutoff=0)
+            raise ValueError(f"overrides pattern {pattern!r} matches no parameter (names are like "
+                             f"{', '.join(close)}): fix the pattern or remove it")
+        if all(name != first for name, first in hits):
             raise ValueError(f"overrides pattern {pattern!r} matches only {hits[0][0]}, which is tied to "
                              f"{hits[0][1]} and drawn under that name: write the pattern for {hits[0][1]}")
+
+
+def _drawn_names(module):
+    """(cleaned name, name the tensor is drawn under) for every parameter, in module order: a tied
+    tensor is drawn once, under its first name."""
+    names, drawn_as = [], {}
+    for module_name, mod in module.named_modules():
+        for param_name, param in mod.named_parameters(recurse=False):
+            name = clean_name(f"{module_name}.{param_name}" if module_name else param_name)
+            names.append((name, drawn_as.setdefault(id(param), name)))
+    return names
 
 
 @torch.no_grad()
@@ -306,8 +334,9 @@ def gamma_init_(module, gamma=1.0, seed=0, overrides=None, fan_in_dims=None,
     seed:             with the parameter name, decides every value (see the module docstring).
     overrides:        {regex: gamma}, searched in the cleaned parameter name, first match wins,
                       e.g. {r"^lm_head\\.": 0.5} keeps the output head at the standard scale.
-                      A pattern that matches only a tied alias (lm_head.weight when it is the
-                      embedding) raises, naming the tensor to match instead.
+                      A pattern that is not a regex, matches no parameter, or matches only a
+                      tied alias (lm_head.weight when it is the embedding) raises, naming the
+                      fix (check_overrides).
     fan_in_dims:      {class or class-name regex: {param name: index of the d_in dimension}} for
                       layers this file does not know, e.g. {"MyLayer": {"w": 0}} for a (in, out)
                       weight; HF_LAYOUTS for Hugging Face transformers models.
@@ -326,7 +355,7 @@ def gamma_init_(module, gamma=1.0, seed=0, overrides=None, fan_in_dims=None,
         for param_name, param in mod.named_parameters(recurse=False):
             name = clean_name(f"{module_name}.{param_name}" if module_name else param_name)
             params.append((name, clean_name(module_name), mod, param_name, param, drawn_as.setdefault(id(param), name)))
-    _check_overrides(overrides, params)
+    check_overrides(overrides, module)
     report = []
     for name, module_name, mod, param_name, param, first in params:
         row = {"name": name, "shape": tuple(param.shape), "d_in": None, "gamma": None, "std": None}

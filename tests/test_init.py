@@ -161,6 +161,24 @@ def test_override_that_matches_only_a_tied_alias_raises_naming_the_tensor():
     assert model.lm_head.weight.std().item() == pytest.approx(64 ** -0.5, rel=0.05)
 
 
+def test_override_mistakes_raise_one_line_before_anything_is_drawn():
+    """A pattern that matched nothing was ignored (every tensor kept the global γ) and a bad
+    regex raised re's own error deep in the init; both now raise before any tensor is drawn."""
+    model = GPT(GPTConfig(vocab_size=100, n_layer=1, n_head=2, d_model=64))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for overrides, message in (
+            ({r"^lm_haed\.": 0.5}, r"pattern '^lm_haed\\.' matches no parameter (names are like lm_head.weight, "),
+            ({r"attn\.wq": 0.7, r"^tok_emb\.[": 0.5}, r"pattern '^tok_emb\\.[' is not a valid regex (unterminated"),
+            ({r"^lm_head\.": None}, r"pattern '^lm_head\\.' maps to None: the value must be a number")):
+        with pytest.raises(ValueError, match=re.escape(message)) as e:
+            init_model_(model, overrides=overrides)
+        assert "\n" not in str(e.value)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    # A pattern that matches something is fine, whatever else it misses
+    report = {r["name"]: r for r in init_model_(model, overrides={r"attn\.wq": 0.7})}
+    assert report["layers.0.attn.wq.weight"]["gamma"] == 0.7
+
+
 # Norms init.py has never seen: it runs each once to tell x̂·w from x̂·(1+w).
 class ScaleNorm(nn.Module):
     def __init__(self, d):
