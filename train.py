@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from checkpoint import Metrics, RunDirError, diverged_hint, export, open_run_dir, resume_run, save_checkpoint
 from fileio import read_json, write_json
-from init import format_report
+from init import check_overrides, format_report
 from model import ATTN_BACKENDS, GPT, config_for, cosine_stats, init_model_, row_cosines, stable_rank
 from prepare_data import TokenLoader, check_model_vocab, check_token_ids, cpu_name, data_fingerprint
 
@@ -57,7 +57,10 @@ seed = 0                        # init and data order
 # model: a named size from model.SIZES plus GPTConfig fields over it
 model_size = "tiny"             # a key of model.SIZES
 model = {}                      # GPTConfig fields over the size, e.g. {"norm_eps": 1e-5, "attn_gate": "none"}
-gamma = 1.0                     # every weight ~ N(0, d_in^-2γ)
+gamma = 1.0                     # every weight ~ N(0, d_in^-2γ); 0 < γ <= 3, as are init_overrides' values:
+                                # at γ <= 0 no weight shrinks with width (std >= 1), above 3 all start
+                                # near 0 (d^-3 is 4e-6 at d=64; γ=50 underflows to exactly 0 in fp32);
+                                # the study swept 0.3-1.5
 init_overrides = {}             # {regex on parameter name: γ}, e.g. {r"^lm_head\.": 0.5} (a tied
                                 # head is tok_emb.weight: match r"^tok_emb\." instead)
 attn_backend = "auto"           # "auto": flex on CUDA, sdpa on CPU (Flex has no CPU backward)
@@ -103,6 +106,7 @@ debug_nan_step = 0              # test knob: poison the loss at this step (0: ne
 DEFAULTS = {k: v for k, v in globals().items()
             if k not in _IMPORTED and not k.startswith("_") and type(v) in (int, float, bool, str, list, tuple, dict)}
 SCHEDULES = ("cosine", "wsd")
+GAMMA_MAX = 3.0  # the largest γ a run accepts (see gamma's comment above)
 
 
 def _check_type(key, value, default):
@@ -266,10 +270,31 @@ def validate(cfg):
     for key, package in (("tensorboard_dir", "tensorboard"), ("wandb_log", "wandb")):
         if cfg[key] and importlib.util.find_spec(package) is None:  # fail now, not at the first log
             raise ValueError(f"config: {key}={cfg[key]!r} needs the {package} package: pip install {package}")
+    if not cfg["out_dir"].strip():  # "" would write checkpoints into the current folder
+        raise ValueError("config: out_dir is empty: name the run folder, e.g. --out_dir=out/run")
+    check_gamma("gamma", cfg["gamma"])
     mcfg = model_config(cfg, "cpu")  # unknown size / GPTConfig field / bad value fails here, no GPU needed
+    if cfg["init_overrides"]:
+        # Matched against the model's own parameter names (built on meta: no memory, no GPU), so a
+        # typo or a bad regex fails now, not after the data is opened, or never (a pattern that
+        # matches nothing changed no γ, silently).
+        with torch.device("meta"):
+            net = GPT(mcfg)
+        try:
+            check_overrides(cfg["init_overrides"], net)
+        except ValueError as e:
+            raise ValueError(f"config: init_overrides: {e}") from None
+        for pattern, value in cfg["init_overrides"].items():
+            check_gamma(f"init_overrides[{pattern!r}]", value)
     if cfg["seq_len"] > mcfg.max_seq_len:
         raise ValueError(f"config: seq_len={cfg['seq_len']} > the model's max_seq_len={mcfg.max_seq_len}: "
                          f"lower seq_len or set --model.max_seq_len={cfg['seq_len']}")
+
+
+def check_gamma(key, value):
+    if not 0 < value <= GAMMA_MAX:  # also refuses nan
+        raise ValueError(f"config: {key}={value} is outside 0 < γ <= {GAMMA_MAX:g}: at γ <= 0 weights do not shrink "
+                         f"with width, above {GAMMA_MAX:g} they start near 0; use e.g. 0.5 (standard) or 1.0")
 
 
 def model_config(cfg, device_type):

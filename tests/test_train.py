@@ -131,6 +131,15 @@ def test_config_defaults_files_and_overrides(tmp_path):
     (["--lr=1e999"], "lr=inf is not a finite number"),
     (["--peak_flops=1e999"], "peak_flops=inf is not a finite number"),
     (["--ATTN_BACKENDS=['eager']"], "unknown key 'ATTN_BACKENDS'"),  # a module constant, not a setting
+    (["--gamma=-1"], "gamma=-1.0 is outside 0 < γ <= 3"),
+    (["--gamma=0"], "gamma=0.0 is outside 0 < γ <= 3"),
+    (["--gamma=50"], "gamma=50.0 is outside 0 < γ <= 3"),  # every weight exactly 0 in fp32
+    (["--init_overrides={'^tok_emb': -21.3}"], "init_overrides['^tok_emb']=-21.3 is outside 0 < γ <= 3"),
+    (["--init_overrides={'^lm_head': 3.5}"], "init_overrides['^lm_head']=3.5 is outside 0 < γ <= 3"),
+    (["--init_overrides={'^lm_head': 'big'}"], "overrides pattern '^lm_head' maps to 'big': the value must be a number"),
+    (["--init_overrides={'(': 0.5}"], "overrides pattern '(' is not a valid regex (missing ), unterminated subpattern"),
+    (["--init_overrides={'^head': 0.5}"], "overrides pattern '^head' matches no parameter (names are like "),
+    (["--out_dir="], "out_dir is empty: name the run folder"),
 ])
 def test_config_errors(args, message):
     with pytest.raises((ValueError, FileNotFoundError)) as e:
