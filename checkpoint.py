@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import pickle
+import resource
 import shutil
 import socket
 import sys
@@ -114,12 +115,18 @@ def load_error(error):
 # a checkpoint writes is hashed from the bytes on their way to disk (no second read at save) and
 # its sha256 goes into meta.json; readers compare before loading.
 class HashingStream:
-    def __init__(self, stream):
-        self.stream, self.digest = stream, hashlib.sha256()
+    def __init__(self, stream, errors):
+        self.stream, self.digest, self.errors = stream, hashlib.sha256(), errors
 
     def write(self, data):
         self.digest.update(data)
-        return self.stream.write(data)
+        try:
+            return self.stream.write(data)
+        except OSError as e:
+            # torch.save reports a failed write as "unexpected pos 704 vs 598", without the errno:
+            # kept here, so a save can tell a full disk, a quota or a file-size limit apart.
+            self.errors.append(e)
+            raise
 
     def __getattr__(self, name):  # tell, flush, fileno: the file's own
         return getattr(self.stream, name)
@@ -131,7 +138,7 @@ class HashingFileSystem(FileSystem):
 
     def __init__(self):
         super().__init__()
-        self.sha256 = {}
+        self.sha256, self.errors = {}, []
 
     @contextmanager
     def create_stream(self, path, mode):
@@ -139,7 +146,7 @@ class HashingFileSystem(FileSystem):
             if "w" not in mode:
                 yield stream
                 return
-            hashing = HashingStream(stream)
+            hashing = HashingStream(stream, self.errors)
             yield hashing
         self.sha256[os.path.basename(path)] = hashing.digest.hexdigest()
 
@@ -257,9 +264,10 @@ def lock_run_dir(run_dir):
         os.close(fd)
         raise RunDirError(f"{run_dir} is in use by {holder}: wait for that run to end (or stop it), "
                           f"or choose another out_dir") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"train.py pid {os.getpid()} on host {socket.gethostname()} "
-                 f"(since {time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode())
+    with naming(path):
+        os.ftruncate(fd, 0)
+        os.write(fd, f"train.py pid {os.getpid()} on host {socket.gethostname()} "
+                     f"(since {time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode())
     return fd
 
 
@@ -429,14 +437,14 @@ def save_checkpoint(cfg, step, net, opt, loader, meta, last_good):
     name = f"ckpt_{step:08d}"
     tmp, final = os.path.join(cfg["out_dir"], "tmp_" + name), os.path.join(cfg["out_dir"], name)
     fresh_optimizer = not opt.state  # the init checkpoint: no update has run yet
+    writer = dcp.FileSystemWriter(tmp)
+    writer.fs = HashingFileSystem()
     try:
         model_sd, optim_sd = get_state_dict(net, opt)
         if fresh_optimizer:
             # get_state_dict materialises AdamW's state by a zero-gradient step, which counts as
             # step 1: left in place, saving the init would shift every later bias correction.
             opt.state.clear()
-        writer = dcp.FileSystemWriter(tmp)
-        writer.fs = HashingFileSystem()
         dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
         # RNG streams differ per rank, so they can't be DCP entries (which are deduplicated).
         rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
@@ -451,12 +459,13 @@ def save_checkpoint(cfg, step, net, opt, loader, meta, last_good):
                 **meta, "step": step, "world_size": dist.get_world_size(), "data_state": loader.state_dict(),
                 "sha256": dict(sorted(kv for files in every_rank for kv in files.items()))})
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        if not disk_full(e, cfg["out_dir"], local_state_bytes(net, opt)):
+        hit = write_limit([e, *writer.fs.errors], cfg["out_dir"], local_state_bytes(net, opt))
+        if hit is None:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-        raise OSError(errno.ENOSPC, f"no space left on device while saving {tmp} "
-                      f"({shutil.disk_usage(cfg['out_dir']).free:,} bytes free): not saved, its partial folder "
-                      f"removed; {last_good or 'no earlier checkpoint'} is intact. Free space and resume") from None
+        what, fix = WRITE_LIMITS[hit]
+        raise OSError(hit, f"{what} while saving {tmp} ({limit_detail(hit, cfg['out_dir'])}): not saved, its partial "
+                      f"folder removed; {last_good or 'no earlier checkpoint'} is intact. {fix} and resume") from None
     if rank == 0:
         if os.path.exists(final):  # a damaged one that resume fell back from: replaced
             prune_checkpoint(final)
@@ -478,17 +487,53 @@ def local_state_bytes(net, opt):
     return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
 
 
-def disk_full(error, folder, need_bytes):
-    """Whether an exception from a save is the disk filling up. torch.save's writer loses the
-    errno ("unexpected pos 704 vs 598"), so besides ENOSPC anywhere down the exception chain,
-    less free space than one checkpoint needs counts as full."""
-    seen = set()
-    while error is not None and id(error) not in seen:
+# The limits a write can run into, each with what to do about it: a save or a start-up write
+# that hits one is a one-line error naming it (train.py), whatever else it was doing.
+WRITE_LIMITS = {
+    errno.ENOSPC: ("no space left on device", "Free space"),
+    errno.EDQUOT: ("disk quota exceeded", "Free space within the quota (or raise it)"),
+    errno.EFBIG: ("file too large for the file-size limit (ulimit -f)", "Raise the limit (ulimit -f unlimited)"),
+}
+
+
+def write_limit(errors, folder, need_bytes):
+    """The WRITE_LIMITS errno a failed save ran into, else None. An OSError with one of them
+    anywhere in the errors given, their chains or DCP's per-rank failures decides; torch.save's
+    writer can lose the errno ("unexpected pos 704 vs 598"), so a file-size limit or free space
+    below what one checkpoint needs counts too."""
+    seen, todo = set(), list(errors)
+    while todo:
+        error = todo.pop()
+        if error is None or id(error) in seen:
+            continue
         seen.add(id(error))
-        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-            return True
-        error = error.__cause__ or error.__context__
-    return shutil.disk_usage(folder).free < need_bytes
+        if isinstance(error, OSError) and error.errno in WRITE_LIMITS:
+            return error.errno
+        todo += [error.__cause__, error.__context__]
+        for failure in getattr(error, "failures", {}).values():  # DCP's CheckpointException
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != resource.RLIM_INFINITY and soft < need_bytes:
+        return errno.EFBIG
+    if shutil.disk_usage(folder).free < need_bytes:
+        return errno.ENOSPC
+    return None
+
+
+def limit_detail(hit, folder):
+    if hit == errno.EFBIG:
+        return f"the limit is {resource.getrlimit(resource.RLIMIT_FSIZE)[0]:,} bytes"
+    return f"{shutil.disk_usage(folder).free:,} bytes free"
+
+
+@contextmanager
+def naming(path):
+    """An OSError raised while writing path names it: a write or flush that fails (a full disk)
+    raises one without a file name, or with that of the temporary file atomic_open writes."""
+    try:
+        yield
+    except OSError as e:
+        raise OSError(e.errno, e.strerror or str(e), path) from None
 
 
 def load_checkpoint(path, meta, net, opt, loader, cfg_weight_decay, verify=True):
@@ -670,9 +715,10 @@ class Metrics:
         self.file = self.writer = self.run = None
         if rank != 0:
             return
-        path = os.path.join(cfg["out_dir"], "metrics.jsonl")
-        truncate_metrics(path, -1 if resumed_step is None else resumed_step)
-        self.file = open(path, "a")
+        self.path = os.path.join(cfg["out_dir"], "metrics.jsonl")
+        with naming(self.path):
+            truncate_metrics(self.path, -1 if resumed_step is None else resumed_step)
+            self.file = open(self.path, "a")
         if cfg["tensorboard_dir"]:
             from torch.utils.tensorboard import SummaryWriter
             # A resumed run redoes the steps after its checkpoint: purge_step hides the killed
@@ -690,8 +736,9 @@ class Metrics:
                 self.spent[key].append(row[key])
         if self.file is None:
             return
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        with naming(self.path):
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
         values = dict(scalars(row))
         if self.writer:
             for name, value in values.items():

@@ -22,7 +22,6 @@ import ast
 import builtins
 import copy
 import difflib
-import errno
 import importlib.util
 import json
 import math
@@ -38,7 +37,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from checkpoint import Metrics, RunDirError, diverged_hint, export, open_run_dir, resume_run, save_checkpoint
+from checkpoint import (WRITE_LIMITS, Metrics, RunDirError, diverged_hint, export, naming, open_run_dir, resume_run,
+                        save_checkpoint)
 from fileio import read_json, write_json
 from init import check_overrides, format_report
 from model import ATTN_BACKENDS, GPT, config_for, cosine_stats, init_model_, row_cosines, stable_rank
@@ -612,7 +612,9 @@ def train(cfg):
     step, resumed, changes, meta = resume_run(cfg, done, net, opt, loader, mcfg, data_fp, log0)
     if rank == 0:
         log0(json.dumps(cfg, indent=1))
-        write_json(os.path.join(cfg["out_dir"], "config.json"), {**meta["config"], "resume_changes": meta["resume_changes"]})
+        config_file = os.path.join(cfg["out_dir"], "config.json")
+        with naming(config_file):
+            write_json(config_file, {**meta["config"], "resume_changes": meta["resume_changes"]})
         if not resumed:
             log0(format_report(init_report))
     metrics = Metrics(cfg, rank, step if resumed else None)
@@ -727,6 +729,15 @@ def main(argv):
             dist.destroy_process_group()
 
 
+def error_line(e):
+    """The one line an OSError gets: a write limit names what was hit and the file, the rest as
+    the OS says it."""
+    if e.errno in WRITE_LIMITS and e.filename:
+        what, fix = WRITE_LIMITS[e.errno]
+        return f"{what} writing {e.filename}: {fix[0].lower() + fix[1:]} and rerun (files written before are intact)"
+    return e.strerror if e.strerror and not e.filename else str(e)
+
+
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
@@ -734,7 +745,4 @@ if __name__ == "__main__":
     except (ValueError, FloatingPointError, RunDirError) as e:
         raise SystemExit(str(e)) from None
     except OSError as e:
-        if e.errno == errno.ENOSPC and e.filename:
-            raise SystemExit(f"no space left on device writing {e.filename}: free space and rerun "
-                             f"(files written before are intact)") from None
-        raise SystemExit(e.strerror if e.strerror and not e.filename else str(e)) from None
+        raise SystemExit(error_line(e)) from None
