@@ -466,6 +466,9 @@ def save_checkpoint(cfg, step, net, opt, loader, meta, last_good):
         what, fix = WRITE_LIMITS[hit]
         raise OSError(hit, f"{what} while saving {tmp} ({limit_detail(hit, cfg['out_dir'])}): not saved, its partial "
                       f"folder removed; {last_good or 'no earlier checkpoint'} is intact. {fix} and resume") from None
+    except KeyboardInterrupt:  # Ctrl-C mid-save: no half-written folder left for the next start to clear
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if rank == 0:
         if os.path.exists(final):  # a damaged one that resume fell back from: replaced
             prune_checkpoint(final)

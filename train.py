@@ -22,23 +22,26 @@ import ast
 import builtins
 import copy
 import difflib
+import gc
 import importlib.util
 import json
 import math
 import os
 import re
 import resource
+import signal
 import sys
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from checkpoint import (WRITE_LIMITS, Metrics, RunDirError, diverged_hint, export, naming, open_run_dir, resume_run,
-                        save_checkpoint)
+from checkpoint import (WRITE_LIMITS, Metrics, RunDirError, complete_checkpoints, diverged_hint, export, naming,
+                        open_run_dir, resume_run, save_checkpoint)
 from fileio import read_json, write_json
 from init import check_overrides, format_report
 from model import ATTN_BACKENDS, GPT, config_for, cosine_stats, init_model_, row_cosines, stable_rank
@@ -599,6 +602,53 @@ def step_row(cfg, step, lr, loss, norm, tps, eta, mfu, device, moe_counts, aux_l
     return row, line
 
 
+def train_step(net, opt, loader, cfg, step, accum, world, device, last_ckpt):
+    """The update that produces step+1: grad_accum micro-batches, the global gradient norm (and
+    clipping), AdamW, the MoE bias. (lr, loss, grad norm, MoE expert counts, aux loss tensor); a
+    non-finite loss or gradient norm stops the run before the update is applied."""
+    lr = lr_at(cfg, step)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    x, y = loader.next_batch()
+    n_total = (y != -1).sum().to(device)
+    dist.all_reduce(n_total)  # loss tokens in the global batch
+    loss_sum = torch.zeros((), device=device)
+    aux_sum = torch.zeros((), device=device)  # MoE balance loss, averaged like the LM loss
+    for m, (xb, yb) in enumerate(zip(x.split(cfg["batch_size"]), y.split(cfg["batch_size"]))):
+        # FSDP2: reduce-scatter gradients only after the last micro-step.
+        net.set_requires_gradient_sync(m == accum - 1)
+        _, loss = net(xb.to(device, non_blocking=True), yb.to(device, non_blocking=True))
+        if step + 1 == cfg["debug_nan_step"]:
+            loss = loss * float("nan")
+        # Weight by this micro-batch's share of the global batch's loss tokens: the update is
+        # then the gradient of the global token mean for any split. FSDP averages over ranks,
+        # so undo that division with * world.
+        share = (yb != -1).sum().to(device) / n_total
+        (loss * share * world).backward()
+        loss_sum += loss.detach() * share
+        if net.aux_loss is not None:
+            aux_sum += net.aux_loss / (accum * world)
+    dist.all_reduce(loss_sum)
+    dist.all_reduce(aux_sum)
+    grads = [p.grad for p in net.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()  # sum of the shards' squares over ranks: the global norm
+    if cfg["grad_clip"] > 0:
+        torch.nn.utils.clip_grads_with_norm_(grads, cfg["grad_clip"], norm)
+    loss_val, norm_val = torch.stack([loss_sum, norm.to(loss_sum)]).tolist()  # one sync per step
+    if not (math.isfinite(loss_val) and math.isfinite(norm_val)):
+        raise FloatingPointError(f"non-finite loss {loss_val} / grad norm {norm_val} at step {step + 1}; the "
+                                 f"update was not applied. {diverged_hint(last_ckpt)}")
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return lr, loss_val, norm_val, net.update_moe_bias(all_reduce=dist.all_reduce), aux_sum
+
+
+class Interrupted(Exception):
+    """Ctrl-C (SIGINT): one line saying where the run was and where it resumes (interrupted_line)."""
+
+
 def train(cfg):
     rank, world, device = setup_distributed()
     torch.manual_seed(cfg["seed"])
@@ -618,73 +668,41 @@ def train(cfg):
         if not resumed:
             log0(format_report(init_report))
     metrics = Metrics(cfg, rank, step if resumed else None)
-    if changes:
-        metrics.record({"step": step, "resume_changes": changes})
-    peak, source = matmul_peak(cfg, device)
-    log0(f"MFU against a peak of {peak / 1e12:.3g} TFLOP/s per device ({source})" if peak else
-         f"MFU not reported: unknown peak for {source}; set --peak_flops")
-    fpt, tokens_step = net.flops_per_token(cfg["seq_len"]), cfg["global_batch"] * cfg["seq_len"]
-    last_ckpt = resumed
-    if not resumed:
-        metrics.record(evaluation(net, val_loader, cfg, device, step, track))
-        if 0 in cfg["keep_steps"]:
-            last_ckpt = save_and_record(cfg, step, net, opt, loader, meta, last_ckpt, metrics, " (the init)")
-    train_time, step_log, time_log, step_start = 0.0, step, 0.0, step  # training time only: no eval/checkpoints
-    while step < cfg["max_steps"]:
-        t0 = time.time()
-        lr = lr_at(cfg, step)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        x, y = loader.next_batch()
-        n_total = (y != -1).sum().to(device)
-        dist.all_reduce(n_total)  # loss tokens in the global batch
-        loss_sum = torch.zeros((), device=device)
-        aux_sum = torch.zeros((), device=device)  # MoE balance loss, averaged like the LM loss
-        for m, (xb, yb) in enumerate(zip(x.split(cfg["batch_size"]), y.split(cfg["batch_size"]))):
-            # FSDP2: reduce-scatter gradients only after the last micro-step.
-            net.set_requires_gradient_sync(m == accum - 1)
-            _, loss = net(xb.to(device, non_blocking=True), yb.to(device, non_blocking=True))
-            if step + 1 == cfg["debug_nan_step"]:
-                loss = loss * float("nan")
-            # Weight by this micro-batch's share of the global batch's loss tokens: the update is
-            # then the gradient of the global token mean for any split. FSDP averages over ranks,
-            # so undo that division with * world.
-            share = (yb != -1).sum().to(device) / n_total
-            (loss * share * world).backward()
-            loss_sum += loss.detach() * share
-            if net.aux_loss is not None:
-                aux_sum += net.aux_loss / (accum * world)
-        dist.all_reduce(loss_sum)
-        dist.all_reduce(aux_sum)
-        grads = [p.grad for p in net.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()  # sum of the shards' squares over ranks: the global norm
-        if cfg["grad_clip"] > 0:
-            torch.nn.utils.clip_grads_with_norm_(grads, cfg["grad_clip"], norm)
-        loss_val, norm_val = torch.stack([loss_sum, norm.to(loss_sum)]).tolist()  # one sync per step
-        if not (math.isfinite(loss_val) and math.isfinite(norm_val)):
-            raise FloatingPointError(f"non-finite loss {loss_val} / grad norm {norm_val} at step {step + 1}; the "
-                                     f"update was not applied. {diverged_hint(last_ckpt)}")
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        moe_counts = net.update_moe_bias(all_reduce=dist.all_reduce)
-        step += 1
-        train_time += time.time() - t0
-        first_line = step == step_start + 1  # a sign of life before log_interval steps (minutes on CPU)
-        if step % cfg["log_interval"] == 0 or step == cfg["max_steps"] or first_line:
-            tps = tokens_step * (step - step_log) / (train_time - time_log)
-            row, line = step_row(cfg, step, lr, loss_val, norm_val, tps, eta_seconds(cfg, step, tokens_step / tps, metrics.spent),
-                                 fpt * tps / (peak * world) if peak else None, device, moe_counts, aux_sum.item())
-            log0(line + (" (first step: compile and warm-up included)" if first_line else ""))
-            if step % cfg["log_interval"] == 0 or step == cfg["max_steps"]:  # metrics.jsonl keeps its interval
-                metrics.record(row)
-                step_log, time_log = step, train_time
-        if step % cfg["eval_interval"] == 0 or step == cfg["max_steps"]:
+    try:  # closed on every way out: a tensorboard writer or wandb run is a thread of its own
+        if changes:
+            metrics.record({"step": step, "resume_changes": changes})
+        peak, source = matmul_peak(cfg, device)
+        log0(f"MFU against a peak of {peak / 1e12:.3g} TFLOP/s per device ({source})" if peak else
+             f"MFU not reported: unknown peak for {source}; set --peak_flops")
+        fpt, tokens_step = net.flops_per_token(cfg["seq_len"]), cfg["global_batch"] * cfg["seq_len"]
+        last_ckpt = resumed
+        if not resumed:
             metrics.record(evaluation(net, val_loader, cfg, device, step, track))
-        if step % cfg["ckpt_interval"] == 0 or step == cfg["max_steps"] or step in cfg["keep_steps"]:
-            last_ckpt = save_and_record(cfg, step, net, opt, loader, meta, last_ckpt, metrics)
-    metrics.close()
+            if 0 in cfg["keep_steps"]:
+                last_ckpt = save_and_record(cfg, step, net, opt, loader, meta, last_ckpt, metrics, " (the init)")
+        train_time, step_log, time_log, step_start = 0.0, step, 0.0, step  # training time only: no eval/checkpoints
+        while step < cfg["max_steps"]:
+            t0 = time.time()
+            lr, loss, norm, moe_counts, aux = train_step(net, opt, loader, cfg, step, accum, world, device, last_ckpt)
+            step += 1
+            train_time += time.time() - t0
+            first_line = step == step_start + 1  # a sign of life before log_interval steps (minutes on CPU)
+            if step % cfg["log_interval"] == 0 or step == cfg["max_steps"] or first_line:
+                tps = tokens_step * (step - step_log) / (train_time - time_log)
+                row, line = step_row(cfg, step, lr, loss, norm, tps, eta_seconds(cfg, step, tokens_step / tps, metrics.spent),
+                                     fpt * tps / (peak * world) if peak else None, device, moe_counts, aux.item())
+                log0(line + (" (first step: compile and warm-up included)" if first_line else ""))
+                if step % cfg["log_interval"] == 0 or step == cfg["max_steps"]:  # metrics.jsonl keeps its interval
+                    metrics.record(row)
+                    step_log, time_log = step, train_time
+            if step % cfg["eval_interval"] == 0 or step == cfg["max_steps"]:
+                metrics.record(evaluation(net, val_loader, cfg, device, step, track))
+            if step % cfg["ckpt_interval"] == 0 or step == cfg["max_steps"] or step in cfg["keep_steps"]:
+                last_ckpt = save_and_record(cfg, step, net, opt, loader, meta, last_ckpt, metrics)
+    except KeyboardInterrupt:
+        raise Interrupted(interrupted_line(cfg, step)) from None
+    finally:
+        metrics.close()
 
 
 def save_and_record(cfg, step, net, opt, loader, meta, last_ckpt, metrics, note=""):
@@ -724,9 +742,35 @@ def main(argv):
         return
     try:
         train(config)
+    except KeyboardInterrupt:  # Ctrl-C before the first step
+        raise Interrupted(interrupted_line(config, None)) from None
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_distributed()
+
+
+def close_distributed():
+    """Destroy the process group and let go of it, on every way out of a run. A gloo group stays
+    alive, its threads running, for as long as anything holds it: the model's FSDP state (kept by
+    an error's traceback), and DTensor's caches (sharding propagation, redistribute plans, mesh
+    topology), which keep the run's device meshes, each holding its groups. The interpreter's
+    exit then raced those threads ("terminate called without an active exception", SIGABRT,
+    exit code 134 instead of 1). Called again once the error is handled and its frames are gone."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # the model and optimizer: FSDP2 holds them in reference cycles
+    for obj in gc.get_objects():
+        if type(obj) is DeviceMesh:  # not isinstance: it would touch every object's deprecated attributes
+            getattr(obj, "_pg_registry", {}).clear()
+
+
+def interrupted_line(cfg, step):
+    """Ctrl-C's one line: the step the run reached and where a rerun of the same command resumes."""
+    where = "before the first step" if step is None else f"at step {step}/{cfg['max_steps']}"
+    done = complete_checkpoints(cfg["out_dir"]) if os.path.isdir(cfg["out_dir"]) else []
+    if not done:
+        return f"interrupted {where}; no checkpoint was saved yet: the same command starts over"
+    again = "the same command" if cfg["resume"] else "the same command with --resume=True"
+    return f"interrupted {where}; {again} resumes from {done[-1]}"
 
 
 def error_line(e):
@@ -739,10 +783,18 @@ def error_line(e):
 
 
 if __name__ == "__main__":
+    status = 0
     try:
         main(sys.argv[1:])
     # Bad input, a busy or changed run folder, a diverged run, a full disk: one line, no traceback.
     except (ValueError, FloatingPointError, RunDirError) as e:
-        raise SystemExit(str(e)) from None
+        status = str(e)
     except OSError as e:
-        raise SystemExit(error_line(e)) from None
+        status = error_line(e)
+    except Interrupted as e:
+        if os.environ.get("RANK", "0") == "0":  # once, not once per rank
+            print(e, file=sys.stderr)
+        status = 128 + signal.SIGINT
+    finally:
+        close_distributed()  # after the except clauses: the error's traceback no longer holds the model
+    sys.exit(status)

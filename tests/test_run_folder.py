@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -522,6 +523,59 @@ def test_file_size_limit_is_one_line_at_start_and_while_saving(run6, data_dir, t
                        capture_output=True, text=True, env=launch_env(), preexec_fn=limit_file_size(500))
     assert one_line(p).startswith(f"file too large for the file-size limit (ulimit -f) writing {fresh}/config.json: "
                                   f"raise the limit")
+
+
+def interrupt(args, after):
+    """train.py given SIGINT (Ctrl-C) once it has printed a line starting with `after`."""
+    proc = subprocess.Popen(command(args, 1), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=launch_env())
+    try:
+        for line in proc.stdout:
+            if line.startswith(after):
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(args, proc.returncode, "", err)
+
+
+@pytest.mark.slow
+def test_ctrl_c_is_one_line_naming_the_step_and_the_resume_point(data_dir, tmp_path):  # noqa: F811
+    """Ctrl-C printed 124-148 lines of traceback. Now: exit code 130, one line with the step
+    reached and where the same command resumes (or that it starts over), nothing half-written."""
+    out = str(tmp_path / "run")
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=100000", "--ckpt_interval=1000"]
+    p = interrupt(args, "step 1/")
+    assert p.returncode == 130 and re.fullmatch(r"interrupted at step \d+/100000; no checkpoint was saved yet: the "
+                                                r"same command starts over", one_line(p)), p.stderr
+    p = interrupt([*args[:-1], "--ckpt_interval=2"], f"saved {out}")
+    err = one_line(p)
+    assert p.returncode == 130 and re.fullmatch(rf"interrupted at step \d+/100000; the same command resumes from "
+                                                rf"{re.escape(out)}/ckpt_\d+", err), err
+    step = int(err.split("at step ")[1].split("/")[0])
+    assert err.endswith(checkpoint.complete_checkpoints(out)[-1]) and int(err[-8:]) <= step
+    assert not glob.glob(os.path.join(out, "tmp_*")) and checkpoint.scan_checkpoints(out)[1] == []
+    assert sorted(rows(out, "loss"))[-1] >= int(err[-8:])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists threads through Linux's /proc")
+def test_no_thread_outlives_a_run_that_stopped_on_an_error(data_dir, tmp_path):  # noqa: F811
+    """The NaN guard's exit, the gloo group of the 1-rank run still alive: DTensor's caches kept the
+    model's device meshes and each mesh its group, so gloo's threads ran on through the
+    interpreter's exit ("terminate called without an active exception", SIGABRT, rc 134, in 2 of
+    17 such exits under CPU load). Only the main thread may be left when atexit runs."""
+    probe = ("import atexit, os, runpy, sys\n"
+             "atexit.register(lambda: print('threads at exit:', len(os.listdir('/proc/self/task')), file=sys.stderr))\n"
+             "sys.argv[0] = 'train.py'\n"
+             "runpy.run_path('train.py', run_name='__main__')\n")
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}", "--max_steps=12", "--debug_nan_step=3"]
+    p = subprocess.run([sys.executable, "-c", probe, *args], cwd=ROOT, capture_output=True, text=True,
+                       env=launch_env(), timeout=600)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 2 and "non-finite loss nan" in lines[0], p.stderr[-3000:]
+    assert lines[1] == "threads at exit: 1"
 
 
 # ----------------------------------------------------------------------------- MFU peak
