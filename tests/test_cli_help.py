@@ -1,9 +1,10 @@
 """Every flag of every top-level tool has help text (eval.py's and sweep.py's are checked in
-their own tests): the parser each tool builds is captured when it parses `--help`."""
+their own tests): the parser each tool builds is captured when it parses its arguments."""
 import argparse
 
 import pytest
 
+import bench
 import gpu_check
 import prepare_data
 import quickstart
@@ -31,10 +32,11 @@ def parsers_of(main, argv, monkeypatch):
     return out
 
 
-@pytest.mark.parametrize("tool", ["prepare_data", "quickstart", "gpu_check", "train export"])
+@pytest.mark.parametrize("tool", ["prepare_data", "quickstart", "gpu_check", "bench", "train export"])
 def test_every_flag_has_help(tool, monkeypatch):
     main, argv = {"prepare_data": (prepare_data.main, []), "quickstart": (quickstart.main, []),
-                  "gpu_check": (gpu_check.main, []), "train export": (train.main, ["export", "a", "b"])}[tool]
+                  "gpu_check": (gpu_check.main, []), "bench": (bench.main, []),
+                  "train export": (train.main, ["export", "a", "b"])}[tool]
     missing = [f"{parser.prog}: {'/'.join(action.option_strings) or action.dest}"
                for parser in parsers_of(main, argv, monkeypatch) for action in parser._actions
                if not action.help and not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction))]
