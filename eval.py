@@ -33,12 +33,12 @@ import torch
 
 import downstream
 from checkpoint import find_checkpoints, load_model
+from configurator import parse_value
 from downstream import at_least, check_data_fits, data_dir_of, tokenizer_of
 from fileio import atomic_write_bytes, write_json
 from model import (GPT, capture_attention, config_for, cosine_stats, document_ids, generate, init_model_, row_cosines,
                    stable_rank, token_logprobs, trace_residual)
 from prepare_data import TokenLoader, load_meta, progress_bar
-from train import parse_value
 
 
 # ----------------------------------------------------------------------------- output helpers

@@ -36,10 +36,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
+from configurator import parse_value  # a grid value is read as train.py reads --key=value
 from downstream import at_least  # eval.py's check of size and count flags
 from fileio import write_json
 from prepare_data import cpu_name
-from train import parse_value  # a grid value is read as train.py reads --key=value
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

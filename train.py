@@ -8,20 +8,15 @@ Pretrain a GPT from model.py with γ-init (init.py) on token shards from prepare
     python train.py export out/run/ckpt_00001000 model.pt       # consolidated single file
     python train.py export out/run/ckpt_00001000 hf_dir --format hf   # HF transformers folder
 
-Configuration: the module-level names below are the defaults; each config file given on the
-command line is executed over them; then `--key=value` (a Python literal, else a string) and
-`--key.item=value` (one entry of a dict setting) override. Unknown names and wrong types fail.
-In a config file, names starting with _ are its own helpers and include("other.py") runs
-another config file (beside it) in place, so a pair of configs can differ in three lines.
+Configuration (configurator.py): the module-level names below are the defaults; config files
+given on the command line run over them in order, then `--key=value` overrides (--help lists
+every setting). A config file can include("other.py"), so a pair of configs can differ in three
+lines.
 One code path: a single process is a 1-rank process group, so FSDP2, DCP checkpoints and the
 data order are the same for 1 CPU process and for 64 GPUs.
 """
 
 import argparse
-import ast
-import builtins
-import copy
-import difflib
 import gc
 import importlib.util
 import json
@@ -32,7 +27,6 @@ import resource
 import signal
 import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -42,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from checkpoint import (WRITE_LIMITS, Metrics, RunDirError, complete_checkpoints, diverged_hint, export, naming,
                         open_run_dir, resume_run, save_checkpoint)
+from configurator import configure, settings_help, unknown_key
 from fileio import read_json, write_json
 from init import check_overrides, format_report
 from model import ATTN_BACKENDS, GPT, config_for, cosine_stats, init_model_, row_cosines, stable_rank
@@ -112,18 +107,6 @@ SCHEDULES = ("cosine", "wsd")
 GAMMA_MAX = 3.0  # the largest γ a run accepts (see gamma's comment above)
 
 
-def _check_type(key, value, default):
-    want = type(default)
-    if want is float and type(value) is int:
-        return float(value)
-    if type(value) is float and not math.isfinite(value):  # 1e999 parses as inf: no setting means that
-        raise ValueError(f"config: {key}={value!r} is not a finite number")
-    if type(value) is not want:
-        raise ValueError(f"config: {key}={value!r} is a {type(value).__name__}, expected a "
-                         f"{want.__name__} like the default {default!r}")
-    return value
-
-
 # Names other training scripts (nanoGPT, HF Trainer) use for settings that are spelled
 # differently here: difflib can't see that learning_rate is lr.
 ALIASES = {"learning_rate": "lr", "max_iters": "max_steps", "warmup_iters": "warmup_steps", "block_size": "seq_len",
@@ -133,114 +116,23 @@ ALIASES = {"learning_rate": "lr", "max_iters": "max_steps", "warmup_iters": "war
            "n_embd": "model.d_model", "d_model": "model.d_model", "init_std": "gamma"}
 
 
-def _unknown(key, valid, where):
-    close = [ALIASES[key]] if key in ALIASES else difflib.get_close_matches(key, list(valid), n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return ValueError(f"config: unknown key {key!r} in {where}{hint}")
-
-
-def _set(cfg, key, value, where, merge_dicts=False):
-    head, _, item = key.partition(".")
-    if head not in DEFAULTS:
-        raise _unknown(head, DEFAULTS, where)
-    default = DEFAULTS[head]
-    if item:
-        # `--weight_decay.matrix=0.3` sets one entry and keeps the others (replacing the
-        # whole dict from the command line would silently drop them).
-        if type(default) is not dict:
-            raise ValueError(f"config: {head} is not a dict setting: write --{head}=...")
-        value = {item: value}
-    if type(default) is dict and default:  # fixed entries (weight_decay): each checked
-        value = dict(_check_type(head, value, default))
-        for k, v in value.items():
-            if k not in default:
-                raise _unknown(f"{head}.{k}", [f"{head}.{d}" for d in default], where)
-            value[k] = _check_type(f"{head}.{k}", v, default[k])
-        cfg[head] = {**cfg[head], **value}
-    elif item or (type(default) is dict and merge_dicts):
-        # Free-form dicts (model, init_overrides) are checked by GPTConfig / init.py. From the
-        # command line they merge: --model={'attn_gate': 'none'} must not silently drop the
-        # config file's doc_mask or max_seq_len. A config file's `model = dict(...)` replaces,
-        # as the Python says (use model.update(...) there to merge).
-        cfg[head] = {**cfg[head], **_check_type(head, value, default)}
-    else:
-        cfg[head] = _check_type(head, value, default)
-
-
-def parse_value(text):
-    """A --key=value's value: a Python literal, else the text itself (--out_dir=out/x needs no quotes)."""
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
 def usage():
     """--help: how to call train.py, then every setting with its default and the comment beside it
-    in the defaults block above (read from this file, so the help is the code's own documentation)."""
-    with open(__file__) as f:
-        block = f.read().split("# " + "-" * 77 + " defaults\n")[1].split("\n# ---")[0]
+    in the defaults block above."""
     lines = [__doc__.strip().split("\n\n")[0], "",
              "usage: python train.py [CONFIG.py ...] [--key=value ...]",
              "       torchrun --nproc_per_node=N train.py CONFIG.py [--key=value ...]",
              "       python train.py export CKPT OUT [--format pt|hf]   (python train.py export --help)", "",
              "Config files run in order over the defaults below, then --key=value (a Python literal, else a",
              "string) and --key.item=value (one entry of a dict setting) override them. Settings, with defaults:"]
-    for line in block.splitlines():
-        name, eq, rest = line.partition(" = ")
-        if line.startswith("# "):  # a group of settings
-            lines += ["", line[2:]]
-        elif eq and name in DEFAULTS:
-            lines.append(f"  {name}={DEFAULTS[name]!r}  {rest.partition('#')[2].strip()}".rstrip())
-        elif line.lstrip().startswith("# "):  # a comment continued under its setting
-            lines[-1] += " " + line.strip()[2:]
-    return "\n".join(lines)
+    return "\n".join(lines + settings_help(__file__, DEFAULTS))
 
 
 def load_config(argv):
-    """Defaults <- config files (in order) <- --key=value overrides; validated."""
-    cfg = copy.deepcopy(DEFAULTS)
-    for arg in argv:
-        if arg.startswith("--"):
-            key, eq, text = arg[2:].partition("=")
-            if not eq:
-                text = "True"  # a bare --flag
-            _set(cfg, key, parse_value(text), "the command line", merge_dicts=True)
-        else:
-            if not os.path.isfile(arg):
-                raise FileNotFoundError(f"config: no such config file {arg!r} (arguments are config "
-                                 f"files and --key=value)")
-            ns = copy.deepcopy(cfg)
-            ns["include"] = lambda name, _dir=os.path.dirname(arg): _run_file(os.path.join(_dir, name), ns)
-            _run_file(arg, ns)
-            for key, value in ns.items():
-                # _names are the file's own helpers; imported modules are not settings.
-                if key.startswith("_") or key == "include" or type(value).__name__ == "module":
-                    continue
-                _set(cfg, key, value, arg)
+    """Defaults <- config files (in order) <- --key=value overrides (configurator.py); validated."""
+    cfg = configure(DEFAULTS, argv, ALIASES)
     validate(cfg)
     return cfg
-
-
-def _run_file(path, ns):
-    """Execute a config file in ns. Config files share settings by include("other.py"),
-    resolved beside the includer. (builtins.compile: the setting `compile` shadows the name.)
-    A broken file is one line naming the file and line, not the traceback of exec."""
-    if not os.path.isfile(path):
-        raise ValueError(f"config: no such config file {path!r} (include() resolves names beside the including file)")
-    with open(path) as f:
-        text = f.read()
-    try:
-        code = builtins.compile(text, path, "exec")
-    except SyntaxError as e:
-        raise ValueError(f"config: {path}:{e.lineno}: syntax error: {e.msg}") from None
-    try:
-        exec(code, ns)
-    except Exception as e:
-        if str(e).startswith("config: "):
-            raise  # an include() of a missing or broken file: already one line naming it
-        line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), "?")
-        raise ValueError(f"config: {path}:{line}: {type(e).__name__}: {e}") from None
 
 
 def validate(cfg):
@@ -577,7 +469,7 @@ def tracked_weights(net, cfg, n_layer):
              for n in (n.format(last=n_layer - 1) for n in cfg["track_weights"])]
     for n in track:
         if n not in names:
-            raise _unknown(n, names, "track_weights")
+            raise unknown_key(n, names, "track_weights")
     return track
 
 
