@@ -480,61 +480,44 @@ def evaluation(net, val_loader, cfg, device, step, track):
     return {"step": step, "val_loss": val, "weights": weight_structure(net, track), "eval_s": time.time() - t0}
 
 
-def step_row(cfg, step, lr, loss, norm, tps, eta, mfu, device, moe_counts, aux_loss):
-    """The metrics row of a logged step, and its log line."""
-    row = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tps, "mfu": mfu,
-           "mem_gib": memory_used(device), "eta_s": eta, "tokens": step * cfg["global_batch"] * cfg["seq_len"]}
+def log_step(cfg, metrics, device, step, first_line, since, train_time, lr, loss, norm, moe_counts, aux, fpt, peak):
+    """The log line after this launch's first step and every log_interval steps (and the last), a
+    metrics.jsonl row on the latter. since: the (step, training seconds) that throughput counts
+    from, returned moved to a recorded step; peak: FLOP/s of all ranks (0: unknown, no MFU)."""
+    recorded = step % cfg["log_interval"] == 0 or step == cfg["max_steps"]  # metrics.jsonl keeps its interval
+    if not (recorded or first_line):
+        return since
+    tokens_step = cfg["global_batch"] * cfg["seq_len"]
+    tps = tokens_step * (step - since[0]) / (train_time - since[1])
+    row = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tps,
+           "mfu": fpt * tps / peak if peak else None, "mem_gib": memory_used(device),
+           "eta_s": eta_seconds(cfg, step, tokens_step / tps, metrics.spent), "tokens": step * tokens_step}
     moe = ""
     if moe_counts is not None:
         load = moe_counts.float() / moe_counts.sum(-1, keepdim=True) * moe_counts.shape[-1]
-        row.update(expert_load=load.tolist(), aux_loss=aux_loss)
-        moe = f" expert load max {load.max():.2f} aux {aux_loss:.3g}"
-    line = (f"step {step}/{cfg['max_steps']} loss {loss:.4f} lr {lr:.3g} grad norm {norm:.3g} {tps:,.0f} tok/s "
-            f"mfu {'n/a' if mfu is None else f'{mfu:.1%}'} mem {row['mem_gib']:.2f} GiB eta {eta / 60:.1f} min{moe}")
-    return row, line
+        row.update(expert_load=load.tolist(), aux_loss=aux.item())
+        moe = f" expert load max {load.max():.2f} aux {row['aux_loss']:.3g}"
+    mfu = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
+    log0(f"step {step}/{cfg['max_steps']} loss {loss:.4f} lr {lr:.3g} grad norm {norm:.3g} {tps:,.0f} tok/s mfu {mfu} "
+         f"mem {row['mem_gib']:.2f} GiB eta {row['eta_s'] / 60:.1f} min{moe}"
+         + (" (first step: compile and warm-up included)" if first_line else ""))
+    if not recorded:
+        return since
+    metrics.record(row)
+    return step, train_time
 
 
-def train_step(net, opt, loader, cfg, step, accum, world, device, last_ckpt):
-    """The update that produces step+1: grad_accum micro-batches, the global gradient norm (and
-    clipping), AdamW, the MoE bias. (lr, loss, grad norm, MoE expert counts, aux loss tensor); a
-    non-finite loss or gradient norm stops the run before the update is applied."""
-    lr = lr_at(cfg, step)
-    for group in opt.param_groups:
-        group["lr"] = lr
-    x, y = loader.next_batch()
-    n_total = (y != -1).sum().to(device)
-    dist.all_reduce(n_total)  # loss tokens in the global batch
-    loss_sum = torch.zeros((), device=device)
-    aux_sum = torch.zeros((), device=device)  # MoE balance loss, averaged like the LM loss
-    for m, (xb, yb) in enumerate(zip(x.split(cfg["batch_size"]), y.split(cfg["batch_size"]))):
-        # FSDP2: reduce-scatter gradients only after the last micro-step.
-        net.set_requires_gradient_sync(m == accum - 1)
-        _, loss = net(xb.to(device, non_blocking=True), yb.to(device, non_blocking=True))
-        if step + 1 == cfg["debug_nan_step"]:
-            loss = loss * float("nan")
-        # Weight by this micro-batch's share of the global batch's loss tokens: the update is
-        # then the gradient of the global token mean for any split. FSDP averages over ranks,
-        # so undo that division with * world.
-        share = (yb != -1).sum().to(device) / n_total
-        (loss * share * world).backward()
-        loss_sum += loss.detach() * share
-        if net.aux_loss is not None:
-            aux_sum += net.aux_loss / (accum * world)
-    dist.all_reduce(loss_sum)
-    dist.all_reduce(aux_sum)
-    grads = [p.grad for p in net.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()  # sum of the shards' squares over ranks: the global norm
-    if cfg["grad_clip"] > 0:
-        torch.nn.utils.clip_grads_with_norm_(grads, cfg["grad_clip"], norm)
-    loss_val, norm_val = torch.stack([loss_sum, norm.to(loss_sum)]).tolist()  # one sync per step
-    if not (math.isfinite(loss_val) and math.isfinite(norm_val)):
-        raise FloatingPointError(f"non-finite loss {loss_val} / grad norm {norm_val} at step {step + 1}; the "
-                                 f"update was not applied. {diverged_hint(last_ckpt)}")
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return lr, loss_val, norm_val, net.update_moe_bias(all_reduce=dist.all_reduce), aux_sum
+def save_config(cfg, rank, meta, init_report):
+    """Rank 0: the settings into the log and config.json (with every resume's changes), and the
+    init report unless None (resumed)."""
+    if rank:
+        return
+    log0(json.dumps(cfg, indent=1))
+    config_file = os.path.join(cfg["out_dir"], "config.json")
+    with naming(config_file):
+        write_json(config_file, {**meta["config"], "resume_changes": meta["resume_changes"]})
+    if init_report is not None:
+        log0(format_report(init_report))
 
 
 class Interrupted(Exception):
@@ -552,13 +535,7 @@ def train(cfg):
     opt = make_optimizer(net, cfg, device)
     track = tracked_weights(net, cfg, mcfg.n_layer)
     step, resumed, changes, meta = resume_run(cfg, done, net, opt, loader, mcfg, data_fp, log0)
-    if rank == 0:
-        log0(json.dumps(cfg, indent=1))
-        config_file = os.path.join(cfg["out_dir"], "config.json")
-        with naming(config_file):
-            write_json(config_file, {**meta["config"], "resume_changes": meta["resume_changes"]})
-        if not resumed:
-            log0(format_report(init_report))
+    save_config(cfg, rank, meta, None if resumed else init_report)
     metrics = Metrics(cfg, rank, step if resumed else None)
     try:  # closed on every way out: a tensorboard writer or wandb run is a thread of its own
         if changes:
@@ -566,27 +543,57 @@ def train(cfg):
         peak, source = matmul_peak(cfg, device)
         log0(f"MFU against a peak of {peak / 1e12:.3g} TFLOP/s per device ({source})" if peak else
              f"MFU not reported: unknown peak for {source}; set --peak_flops")
-        fpt, tokens_step = net.flops_per_token(cfg["seq_len"]), cfg["global_batch"] * cfg["seq_len"]
+        fpt = net.flops_per_token(cfg["seq_len"])
         last_ckpt = resumed
         if not resumed:
             metrics.record(evaluation(net, val_loader, cfg, device, step, track))
             if 0 in cfg["keep_steps"]:
                 last_ckpt = save_and_record(cfg, step, net, opt, loader, meta, last_ckpt, metrics, " (the init)")
-        train_time, step_log, time_log, step_start = 0.0, step, 0.0, step  # training time only: no eval/checkpoints
+        start, since, train_time = step, (step, 0.0), 0.0  # training time only: no eval/checkpoints
         while step < cfg["max_steps"]:
             t0 = time.time()
-            lr, loss, norm, moe_counts, aux = train_step(net, opt, loader, cfg, step, accum, world, device, last_ckpt)
+            lr = lr_at(cfg, step)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            x, y = loader.next_batch()
+            n_total = (y != -1).sum().to(device)
+            dist.all_reduce(n_total)  # loss tokens in the global batch
+            loss_sum = torch.zeros((), device=device)
+            aux_sum = torch.zeros((), device=device)  # MoE balance loss, averaged like the LM loss
+            for m, (xb, yb) in enumerate(zip(x.split(cfg["batch_size"]), y.split(cfg["batch_size"]))):
+                # FSDP2: reduce-scatter gradients only after the last micro-step.
+                net.set_requires_gradient_sync(m == accum - 1)
+                _, loss = net(xb.to(device, non_blocking=True), yb.to(device, non_blocking=True))
+                if step + 1 == cfg["debug_nan_step"]:
+                    loss = loss * float("nan")
+                # Weight by this micro-batch's share of the global batch's loss tokens: the update is
+                # then the gradient of the global token mean for any split. FSDP averages over ranks,
+                # so undo that division with * world.
+                share = (yb != -1).sum().to(device) / n_total
+                (loss * share * world).backward()
+                loss_sum += loss.detach() * share
+                if net.aux_loss is not None:
+                    aux_sum += net.aux_loss / (accum * world)
+            dist.all_reduce(loss_sum)
+            dist.all_reduce(aux_sum)
+            grads = [p.grad for p in net.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()  # sum of the shards' squares over ranks: the global norm
+            if cfg["grad_clip"] > 0:
+                torch.nn.utils.clip_grads_with_norm_(grads, cfg["grad_clip"], norm)
+            loss_val, norm_val = torch.stack([loss_sum, norm.to(loss_sum)]).tolist()  # one sync per step
+            if not (math.isfinite(loss_val) and math.isfinite(norm_val)):
+                raise FloatingPointError(f"non-finite loss {loss_val} / grad norm {norm_val} at step {step + 1}; the "
+                                         f"update was not applied. {diverged_hint(last_ckpt)}")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            moe_counts = net.update_moe_bias(all_reduce=dist.all_reduce)
             step += 1
             train_time += time.time() - t0
-            first_line = step == step_start + 1  # a sign of life before log_interval steps (minutes on CPU)
-            if step % cfg["log_interval"] == 0 or step == cfg["max_steps"] or first_line:
-                tps = tokens_step * (step - step_log) / (train_time - time_log)
-                row, line = step_row(cfg, step, lr, loss, norm, tps, eta_seconds(cfg, step, tokens_step / tps, metrics.spent),
-                                     fpt * tps / (peak * world) if peak else None, device, moe_counts, aux.item())
-                log0(line + (" (first step: compile and warm-up included)" if first_line else ""))
-                if step % cfg["log_interval"] == 0 or step == cfg["max_steps"]:  # metrics.jsonl keeps its interval
-                    metrics.record(row)
-                    step_log, time_log = step, train_time
+            # The first line is a sign of life before log_interval steps (minutes on CPU).
+            since = log_step(cfg, metrics, device, step, step == start + 1, since, train_time,
+                             lr, loss_val, norm_val, moe_counts, aux_sum, fpt, peak * world)
             if step % cfg["eval_interval"] == 0 or step == cfg["max_steps"]:
                 metrics.record(evaluation(net, val_loader, cfg, device, step, track))
             if step % cfg["ckpt_interval"] == 0 or step == cfg["max_steps"] or step in cfg["keep_steps"]:
