@@ -228,11 +228,15 @@ def document_ids(idx, eot_id):
     return torch.cumsum(is_eot, dim=1) - is_eot
 
 
-@functools.cache
-def compiled(fn):
+def compiled(fn, x):
     # On CUDA flex_attention and create_block_mask must run compiled: eager, they materialise
-    # the full B x H x T x T scores and a B x T x T mask. Inside an already compiled block this
-    # is simply inlined. Wrapped on first use, so importing model.py stays cheap.
+    # the full B x H x T x T scores and a B x T x T mask. Inside an already compiled block dynamo
+    # traces fn itself (a call into the cached wrapper would only earn a warning).
+    return compile_once(fn) if x.is_cuda and not torch.compiler.is_compiling() else fn
+
+
+@functools.cache
+def compile_once(fn):  # wrapped on first use, so importing model.py stays cheap
     return torch.compile(fn)
 
 
@@ -252,7 +256,7 @@ def build_attention_mask(idx, cfg, backend, kv_cache=None):
         mask_mod, batch = attention_mask_mod(start), None
     if backend == "flex" and kv_cache is None:
         # Built once per batch and shared by every layer.
-        build = compiled(create_block_mask) if idx.is_cuda else create_block_mask
+        build = compiled(create_block_mask, idx)
         return build(mask_mod, batch, None, T, T, device=idx.device)
     if backend == "sdpa" and batch is None and start == 0:
         # Plain causal: SDPA's is_causal path can use the flash kernel; a dense mask cannot.
@@ -292,8 +296,7 @@ class Attention(nn.Module):
             k, v = k_cache[:, :, :start + T], v_cache[:, :, :start + T]
         gqa = self.n_kv_head != self.n_head
         if isinstance(mask, BlockMask):
-            flex = compiled(flex_attention) if q.is_cuda else flex_attention
-            y = flex(q, k, v, block_mask=mask, enable_gqa=gqa)
+            y = compiled(flex_attention, q)(q, k, v, block_mask=mask, enable_gqa=gqa)
         elif self.cfg.attn_backend != "eager":
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         else:
