@@ -142,8 +142,10 @@ def common_variants(g, compile, attn):
     GPT, at the group's compile setting."""
     moe = moe_fields(g.config)
     return [
+        # γ=0.5, the plain GPT's usual scale: under γ=1 its LayerNorms' ε=1e-5 would dominate
+        # (init.py's ε audit warns); speed is the same either way.
         Variant("reference", "plain GPT: LayerNorm, GELU, learned positions, fused qkv", g,
-                reference=True, compile=compile),
+                reference=True, gamma=0.5, compile=compile),
         Variant("default", "model.GPT: RMSNorm, RoPE, SwiGLU, elementwise gate, γ=1", g, compile=compile),
         Variant("gate-headwise", "one gate per head (d×n_head matrix)", g, dict(attn_gate="headwise"), compile=compile),
         Variant("gate-none", "no attention gate", g, dict(attn_gate="none"), compile=compile),
