@@ -1,26 +1,28 @@
 """
 The first contact with a GPU in one command: every CUDA path of the repo on one H100/H200 in about
-8 minutes, one summary table, and results/gpu_check.json.
+4 minutes (measured on an H200), one summary table, and results/gpu_check.json.
 
     make gpu-check                 # = python gpu_check.py
     python gpu_check.py --dry-run  # the plan; every command's arguments checked here, on CPU
 
-Steps, each a subprocess with its own time limit (a failed one is reported, the next still runs):
+Steps, each a subprocess with its own time limit (a failed one is reported, the next still runs),
+correctness first and speed last, so that a lease cut short still brings back the checks:
   tests    tests/test_cuda.py: compiled Flex vs SDPA forward and backward, bf16 grouped experts
-  bench    bench.py --suite cuda, shortened: the default model vs the plain GPT at 0.1B and 1.5B
-           (bf16, compiled, flex), tokens/s and MFU
   data     byte-level shards made from this repository's own text (no download)
   train    torchrun --nproc_per_node=1 train.py config/gamma1_0p1b.py, 50 steps, flex + bf16 +
-           compile, a checkpoint at the end
+           compile, a checkpoint at the end; its peak memory against train.py's own estimate
   export   that checkpoint as a HF folder, loaded back by transformers on the GPU and compared
            with model.py's logits
-  memory   train.py's peak memory against its own estimate (the --dry_run plan)
-Without CUDA (and without --dry-run) it exits 1 with one line.
+  bench    bench.py --suite cuda, shortened: the default model vs the plain GPT at 0.1B and 1.5B
+           (bf16, compiled, flex), tokens/s and MFU
+--budget S caps the whole check (a step's limit shrinks to the time left); the summary JSON is
+rewritten after every step. Without CUDA (and without --dry-run) it exits 1 with one line.
 """
 
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -40,13 +42,13 @@ def commands(work):
     data, run = os.path.join(work, "data"), os.path.join(work, "run")
     return [
         ("tests", [PY, "-m", "pytest", "-q", "tests/test_cuda.py"], 180),
-        ("bench", [PY, *BENCH, "--json-out", os.path.join(work, "bench.json")], 300),
-        ("data", [PY, "prepare_data.py", "text", "--out", data, "--tokenizer", "bytes", "--force",
+        ("data", [PY, "prepare_data.py", "text", "--out", data, "--tokenizer", "bytes", "--force", "--val-fraction", "0.05",
                   "--source", f"repo={write_corpus(work)}"], 60),
-        ("train", ["torchrun", "--standalone", "--nproc_per_node=1", *TRAIN, f"--data_dir={data}", f"--out_dir={run}",
-                   "--resume=False"], 300),
+        ("train", [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", *TRAIN,
+                   f"--data_dir={data}", f"--out_dir={run}", "--resume=False"], 300),
         ("export", [PY, "train.py", "export", os.path.join(run, "ckpt_00000050"), os.path.join(work, "hf"),
                     "--format", "hf"], 120),
+        ("bench", [PY, *BENCH, "--json-out", os.path.join(work, "bench.json")], 300),
     ]
 
 
@@ -60,15 +62,21 @@ def write_corpus(work):
     return path
 
 
-def run_step(name, argv, limit):
+def run_step(name, argv, limit, work):
+    """One step as a subprocess in its own session: on its time limit the whole group goes (torchrun's
+    workers too, which would otherwise hold the GPU for the steps after). Its output: work/<name>.log."""
     t0 = time.time()
+    p = subprocess.Popen(argv, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
     try:
-        p = subprocess.run(argv, cwd=HERE, capture_output=True, text=True, timeout=limit)
-        ok, out = p.returncode == 0, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
-        ok, out = False, f"timed out after {limit} s\n" + (e.stdout or b"").decode(errors="replace")[-2000:]
+        out, ok = p.communicate(timeout=limit)[0], p.returncode == 0
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, ok = p.communicate()[0] + f"\ntimed out after {limit:.0f} s", False
+    with open(os.path.join(work, f"{name}.log"), "w") as f:
+        f.write(out)
     return {"step": name, "ok": ok, "seconds": round(time.time() - t0, 1), "command": " ".join(argv),
-            "tail": out.strip().splitlines()[-12:]}
+            "tail": [line[:300] for line in out.strip().splitlines()[-12:]]}
 
 
 def bench_numbers(path):
@@ -128,6 +136,8 @@ def main(argv=None):
     p.add_argument("--dry-run", action="store_true", help="print the plan and check each command's arguments on CPU")
     p.add_argument("--work", default="out/gpu_check", help="folder for the data, the run and the export")
     p.add_argument("--json-out", default="results/gpu_check.json", help="where the summary is written")
+    p.add_argument("--only", help="comma-separated steps to run (default: all, in order)")
+    p.add_argument("--budget", type=float, default=900, help="seconds for the whole check; a step's limit shrinks to what is left")
     args = p.parse_args(argv)
     work = os.path.abspath(args.work)
     os.makedirs(work, exist_ok=True)
@@ -138,27 +148,34 @@ def main(argv=None):
         print("gpu_check: no CUDA device here (torch.cuda.is_available() is False): run it on a GPU machine, "
               "or pass --dry-run for the plan", file=sys.stderr)
         return 1
-    rows = []
-    for name, argv, limit in commands(work):
-        rows.append(run_step(name, argv, limit))
-        print(f"{name}: {'ok' if rows[-1]['ok'] else 'FAILED'} in {rows[-1]['seconds']} s", flush=True)
-    done = {r["step"]: r for r in rows}
-    if done["tests"]["ok"] or "passed" in " ".join(done["tests"]["tail"]):
-        done["tests"]["numbers"] = {"summary": done["tests"]["tail"][-1]}
+    from fileio import write_json
     extras = {"bench": lambda: bench_numbers(os.path.join(work, "bench.json")), "export": lambda: compare_export(work),
               "train": lambda: memory(work)}
-    for name, measure in extras.items():
-        if done[name]["ok"]:
+    deadline, rows = time.time() + args.budget, []
+    for name, argv, limit in commands(work):
+        if args.only and name not in args.only.split(","):
+            continue
+        left = deadline - time.time()
+        if left < 20:
+            rows.append({"step": name, "ok": False, "seconds": 0, "command": " ".join(argv),
+                         "tail": [f"not run: {args.budget} s budget spent"]})
+        else:
+            rows.append(run_step(name, argv, min(limit, left), work))
+        row = rows[-1]
+        if row["ok"] and name in extras:
             try:
-                done[name]["numbers"] = measure()
+                row["numbers"] = extras[name]()
             except Exception as e:  # noqa: BLE001 (a summary row, not a crash: the other numbers still count)
-                done[name].update(ok=False, numbers={"error": f"{type(e).__name__}: {e}"})
+                row.update(ok=False, numbers={"error": f"{type(e).__name__}: {e}"})
+        elif name == "tests" and "passed" in " ".join(row["tail"]):
+            row["numbers"] = {"summary": row["tail"][-1]}
+        print(f"{name}: {'ok' if row['ok'] else 'FAILED'} in {row['seconds']} s", flush=True)
+        # Rewritten after each step: a check killed from outside still leaves what it measured.
+        write_json(args.json_out, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                   "when": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": rows})
     print(f"\n{'step':<8}{'ok':<5}{'s':>7}  numbers")
     for r in rows:
         print(f"{r['step']:<8}{'yes' if r['ok'] else 'NO':<5}{r['seconds']:>7}  {json.dumps(r.get('numbers', ''))[:200]}")
-    from fileio import write_json
-    write_json(args.json_out, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "when": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": rows})
     print(f"wrote {args.json_out}")
     return 0 if all(r["ok"] for r in rows) else 1
 

@@ -17,7 +17,7 @@ def test_dry_run_checks_every_command(tmp_path):
                        capture_output=True, text=True, timeout=600, env=launch_env())
     assert p.returncode == 0, p.stdout + p.stderr
     steps = [line.split()[0] for line in p.stdout.splitlines() if not line.startswith((" ", "then"))]
-    assert steps == ["tests", "bench", "data", "train", "export"]
+    assert steps == ["tests", "data", "train", "export", "bench"]
     assert p.stdout.count("check: ok") == 4 and "FAILED" not in p.stdout
     assert (tmp_path / "data" / "meta.json").exists()  # the data step really ran
 
