@@ -24,6 +24,7 @@ all_anchor_data() {  # every data set of the sections below: the tuned task and 
 SECTIONS=${*:-$ALL}
 SHARES=heldout_inferential,heldout_symmetric  # the held-out answer shares the reports plot and list by seed
 made() { [ -s "$1" ]; }  # an analysis whose output exists is not redone
+CONFIRM_SEEDS=100,101,102,103,104,105  # results/confirm.md: seeds no exploration run has used
 
 for section in $SECTIONS; do case $section in
 data)
@@ -72,9 +73,14 @@ width_lr)
         --arm recipe_d128=,model.d_model=128 --arm baseline_d128=config/_baseline.py,model.d_model=128
     ;;
 confirm)
-    # results/confirm.md, claim 7: the tuned task, both arms, seeds never run in the exploration.
+    # results/confirm.md, claim 7: the tuned task, both arms, seeds never run in the exploration;
+    # claim 8: the layout map's headline cell (length 9, the key in the first 5 positions).
     anchor_data anchor
-    $SWEEP --name confirm_anchor --seeds 100,101,102,103,104,105 --arm recipe= --arm baseline=config/_baseline.py
+    $SWEEP --name confirm_anchor --seeds $CONFIRM_SEEDS --arm recipe= --arm baseline=config/_baseline.py
+    anchor_data anchor_len9_first --key-positions 0-4
+    python results/data_check.py data/anchor_len9_first anchor_len9_first || exit 1
+    $SWEEP --name confirm_layout --seeds $CONFIRM_SEEDS --set data_dir=data/anchor_len9_first --set seq_len=9 \
+        --arm recipe= --arm baseline=config/_baseline.py
     ;;
 layout)
     # Issue 24, item 4: where does the contrast hold? Sequence length {9, 12, 15} x the key's window
@@ -128,10 +134,12 @@ report)
     python results/anchor_layout.py  # the layout map: report_anchor_layout.md, anchor_layout.png
     ;;
 confirm_report)
-    # results/confirm.md, claim 7: s = inferential - symmetric share per run, recipe - baseline by seed.
-    python eval.py report results/confirm_anchor.json --plot-metric $SHARES --per-seed $SHARES \
-        --pair results/confirm_anchor.json:baseline results/confirm_anchor.json:recipe --pair-metric heldout_margin \
-        --out results/report_confirm_anchor.md
+    # results/confirm.md, claims 7 and 8: s = inferential - symmetric share per run, recipe - baseline by seed.
+    for claim in anchor layout; do
+        c=results/confirm_$claim.json
+        made $c && python eval.py report $c --plot-metric $SHARES --per-seed $SHARES \
+            --pair $c:baseline $c:recipe --pair-metric heldout_margin --out results/report_confirm_$claim.md
+    done
     ;;
 *) echo "unknown section $section: one of $ALL" >&2; exit 2 ;;
 esac; done
