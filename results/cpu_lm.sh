@@ -96,7 +96,7 @@ print(" ".join(f"{n}={statistics.mean(v)!r}" for n, v in sorted(by_n.items())))
 PY
 }
 
-ALL="data lr settings layernorm gamma analyses budget wd scale moe lr_width lr_fine gamma_fine settings_fine confirm report confirm_report eps_regime eps_claim1"
+ALL="data lr settings layernorm gamma analyses budget wd scale moe lr_width lr_fine gamma_fine settings_fine confirm report confirm_report eps_regime eps_regime_report eps_claim1"
 # The confirmation runs of results/confirm.md: seeds never run in the exploration, every setting
 # fixed there (the lrs are typed, not re-chosen by best_lr), in the order the claims are listed.
 CONFIRM_SEEDS=100,101,102,103,104,105
@@ -338,6 +338,13 @@ eps_regime)
         done
     done
     $SWEEP --name eps_regime --seeds 0,1,2 "${arms[@]}"
+    ;;
+eps_regime_report)
+    # The ε regime law's analysis (results/report_eps_regime.md, eps_regime.png): Δloss against r by
+    # width and the γ=0.5 control, the widths' spread against seed noise, r ≈ 42's share of the
+    # recipe's gain. It also measures r at every norm of each finished run's final checkpoint, once per
+    # run, into results/eps_regime_r.json, so the report regenerates after the run folders are gone.
+    python results/eps_regime.py
     ;;
 eps_claim1)
     # Issue 26, item 2: the paper's claim 1 at emulated scale. Its standard settings at d=2048 are
