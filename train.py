@@ -105,6 +105,7 @@ DEFAULTS = {k: v for k, v in globals().items()
             if k not in _IMPORTED and not k.startswith("_") and type(v) in (int, float, bool, str, list, tuple, dict)}
 SCHEDULES = ("cosine", "wsd")
 GAMMA_MAX = 3.0  # the largest γ a run accepts (see gamma's comment above)
+FP32 = torch.finfo(torch.float32)  # AdamW's state and the parameters it updates (bf16 is only a compute copy)
 
 
 # Names other training scripts (nanoGPT, HF Trainer) use for settings that are spelled
@@ -153,8 +154,6 @@ def validate(cfg):
         raise ValueError(f"config: keep_steps={cfg['keep_steps']} must be whole steps between 0 and max_steps")
     if not cfg["warmup_steps"] < cfg["max_steps"]:
         raise ValueError(f"config: warmup_steps={cfg['warmup_steps']} must be < max_steps={cfg['max_steps']}")
-    if not cfg["lr"] > 0:
-        raise ValueError(f"config: lr={cfg['lr']} must be > 0")
     for key in ("min_lr_ratio", "decay_frac"):
         if not 0 <= cfg[key] <= 1:
             raise ValueError(f"config: {key}={cfg[key]} must be between 0 and 1")
@@ -162,6 +161,7 @@ def validate(cfg):
         raise ValueError(f"config: betas={cfg['betas']} must be two numbers in [0, 1), e.g. (0.9, 0.95)")
     if any(v < 0 for v in cfg["weight_decay"].values()):
         raise ValueError(f"config: weight_decay={cfg['weight_decay']} must be >= 0 in every group")
+    check_lr(cfg)
     for key, package in (("tensorboard_dir", "tensorboard"), ("wandb_log", "wandb")):
         if cfg[key] and importlib.util.find_spec(package) is None:  # fail now, not at the first log
             raise ValueError(f"config: {key}={cfg[key]!r} needs the {package} package: pip install {package}")
@@ -184,6 +184,24 @@ def validate(cfg):
     if cfg["seq_len"] > mcfg.max_seq_len:
         raise ValueError(f"config: seq_len={cfg['seq_len']} > the model's max_seq_len={mcfg.max_seq_len}: "
                          f"lower seq_len or set --model.max_seq_len={cfg['seq_len']}")
+
+
+def check_lr(cfg):
+    """AdamW turns lr into two fp32 scalars: the step size lr / (1 - beta1^t), largest at the first
+    step (bias correction), and the decay factor 1 - lr * weight_decay. Past float32's max the
+    first stops torch with an overflow traceback, the second silently turns that group's weights
+    to inf. (An lr just inside the bound still diverges at once; the non-finite checks catch that.)"""
+    lr = cfg["lr"]
+    if not lr > 0:
+        raise ValueError(f"config: lr={lr} must be > 0")
+    step_size = lr / (1 - cfg["betas"][0])
+    if step_size > FP32.max:
+        raise ValueError(f"config: lr={lr:g} is too large: AdamW's first step size lr/(1 - betas[0]) = {step_size:.3g} "
+                         f"is past float32's max {FP32.max:.3g}; use e.g. lr=1e-3")
+    for group, wd in cfg["weight_decay"].items():
+        if lr * wd > FP32.max:
+            raise ValueError(f"config: weight_decay.{group}={wd:g} times lr={lr:g} is past float32's max {FP32.max:.3g}: "
+                             f"AdamW would scale the weights by 1 - lr*weight_decay = -inf; use e.g. 0.1")
 
 
 def check_gamma(key, value):

@@ -394,6 +394,8 @@ def test_broken_config_files_are_one_line(tmp_path, text, message):
     ("--init_overrides={'[': 0.5}", "overrides pattern '[' is not a valid regex (unterminated character set"),
     # ignored: a typo left the head at the global γ
     ("--init_overrides={'^lm_haed': 0.5}", "overrides pattern '^lm_haed' matches no parameter (names are like lm_head.weight"),
+    # a 30-line traceback from AdamW's first step: the step size overflows float32
+    ("--lr=1e39", "config: lr=1e+39 is too large: AdamW's first step size lr/(1 - betas[0]) = 1e+40"),
 ])
 def test_gamma_and_override_mistakes_are_one_line_before_training(data_dir, tmp_path, arg, message):  # noqa: F811
     out = tmp_path / "run"

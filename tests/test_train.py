@@ -129,6 +129,8 @@ def test_config_defaults_files_and_overrides(tmp_path):
     (["--keep_steps=[0, 5000]"], "keep_steps=[0, 5000] must be whole steps between 0 and max_steps"),
     (["no_such_config.py"], "no such config file"),
     (["--lr=1e999"], "lr=inf is not a finite number"),
+    (["--lr=1e39"], "lr=1e+39 is too large: AdamW's first step size lr/(1 - betas[0]) = 1e+40 is past float32's max"),
+    (["--lr=1.0", "--weight_decay.matrix=1e39"], "weight_decay.matrix=1e+39 times lr=1 is past float32's max"),
     (["--peak_flops=1e999"], "peak_flops=inf is not a finite number"),
     (["--ATTN_BACKENDS=['eager']"], "unknown key 'ATTN_BACKENDS'"),  # a module constant, not a setting
     (["--gamma=-1"], "gamma=-1.0 is outside 0 < γ <= 3"),
@@ -145,6 +147,42 @@ def test_config_errors(args, message):
     with pytest.raises((ValueError, FileNotFoundError)) as e:
         train.load_config(args)
     assert message in str(e.value)
+
+
+def adamw_limit(ok, hi=1e60):
+    """The largest value x (to 1e-9 relative) for which ok(x) holds, by bisection in log space."""
+    lo = 1e-3
+    assert ok(lo) and not ok(hi)
+    while hi / lo > 1 + 1e-9:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.95), (0.0, 0.95), (0.99, 0.999)])
+def test_lr_and_decay_bounds_are_where_torch_adamw_breaks(betas):
+    """torch's own AdamW is the reference: the largest lr whose first step it takes, and the
+    largest lr * weight_decay that leaves a weight of 1 finite. The config accepts just below each
+    and refuses just above (lr=1e39 used to pass and die in AdamW with a traceback)."""
+    def first_step(lr, wd, grad):
+        p = torch.nn.Parameter(torch.ones(4))
+        p.grad = torch.full((4,), grad)
+        try:
+            torch.optim.AdamW([p], lr=lr, betas=betas, weight_decay=wd).step()
+        except RuntimeError as e:
+            assert "without overflow" in str(e)
+            return False
+        return bool(p.isfinite().all())
+
+    lr_max = adamw_limit(lambda lr: first_step(lr, 0.0, 1.0))
+    beta_args = [f"--betas={betas}", "--weight_decay={'matrix': 0.0, 'embed': 0.0, 'norm': 0.0}"]
+    assert train.load_config([f"--lr={lr_max * 0.999!r}", *beta_args])
+    with pytest.raises(ValueError, match=r"lr=.* is too large: AdamW's first step size"):
+        train.load_config([f"--lr={lr_max * 1.001!r}", *beta_args])
+    decay_max = adamw_limit(lambda wd: first_step(1.0, wd, 0.0))  # no gradient: the decay alone
+    assert train.load_config(["--lr=1.0", f"--weight_decay.norm={decay_max * 0.999!r}", f"--betas={betas}"])
+    with pytest.raises(ValueError, match=r"weight_decay.norm=.* times lr=1 is past float32's max"):
+        train.load_config(["--lr=1.0", f"--weight_decay.norm={decay_max * 1.001!r}", f"--betas={betas}"])
 
 
 def test_help_lists_every_setting_with_its_default():
