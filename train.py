@@ -152,12 +152,14 @@ def validate(cfg):
         raise ValueError(f"config: adam_eps={cfg['adam_eps']} must be > 0 (e.g. 1e-8)")
     if not all(type(s) is int and 0 <= s <= cfg["max_steps"] for s in cfg["keep_steps"]):
         raise ValueError(f"config: keep_steps={cfg['keep_steps']} must be whole steps between 0 and max_steps")
+    if not 0 <= cfg["seed"] < 2**64:  # torch's generators take 64 bits, numpy's no negative seed
+        raise ValueError(f"config: seed={cfg['seed']} must be in 0 <= seed < 2**64")
     if not cfg["warmup_steps"] < cfg["max_steps"]:
         raise ValueError(f"config: warmup_steps={cfg['warmup_steps']} must be < max_steps={cfg['max_steps']}")
     for key in ("min_lr_ratio", "decay_frac"):
         if not 0 <= cfg[key] <= 1:
             raise ValueError(f"config: {key}={cfg[key]} must be between 0 and 1")
-    if len(cfg["betas"]) != 2 or not all(0 <= b < 1 for b in cfg["betas"]):
+    if len(cfg["betas"]) != 2 or not all(type(b) in (int, float) and 0 <= b < 1 for b in cfg["betas"]):
         raise ValueError(f"config: betas={cfg['betas']} must be two numbers in [0, 1), e.g. (0.9, 0.95)")
     if any(v < 0 for v in cfg["weight_decay"].values()):
         raise ValueError(f"config: weight_decay={cfg['weight_decay']} must be >= 0 in every group")

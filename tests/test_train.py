@@ -124,6 +124,7 @@ def test_config_defaults_files_and_overrides(tmp_path):
     (["--decay_frac=1.5"], "decay_frac=1.5 must be between 0 and 1"),
     (["--lr=0.0"], "lr=0.0 must be > 0"),
     (["--betas=(0.9,)"], "betas=(0.9,) must be two numbers"),
+    (["--betas=(0.9, 'x')"], "betas=(0.9, 'x') must be two numbers"),
     (["--weight_decay.matrix=-0.1"], "must be >= 0 in every group"),
     (["--grad_clip=-1.0"], "grad_clip=-1.0 must be >= 0"),
     (["--keep_steps=[0, 5000]"], "keep_steps=[0, 5000] must be whole steps between 0 and max_steps"),
@@ -183,6 +184,23 @@ def test_lr_and_decay_bounds_are_where_torch_adamw_breaks(betas):
     assert train.load_config(["--lr=1.0", f"--weight_decay.norm={decay_max * 0.999!r}", f"--betas={betas}"])
     with pytest.raises(ValueError, match=r"weight_decay.norm=.* times lr=1 is past float32's max"):
         train.load_config(["--lr=1.0", f"--weight_decay.norm={decay_max * 1.001!r}", f"--betas={betas}"])
+
+
+@pytest.mark.parametrize("seed", [-1, 0, 2**64 - 1, 2**64])
+def test_seed_range_is_what_the_generators_take(seed):
+    """A seed passes the config exactly when torch's generator and numpy's (the data order) take it;
+    -1 and 2**64 used to pass and stop the run once training began."""
+    try:
+        torch.Generator().manual_seed(seed)
+        np.random.default_rng([seed, 0])
+        taken = True
+    except (ValueError, RuntimeError):
+        taken = False
+    if taken:
+        assert train.load_config([f"--seed={seed}"])["seed"] == seed
+    else:
+        with pytest.raises(ValueError, match=rf"seed={seed} must be in 0 <= seed < 2\*\*64"):
+            train.load_config([f"--seed={seed}"])
 
 
 def test_help_lists_every_setting_with_its_default():
