@@ -261,20 +261,52 @@ def sink_shares(model, x):
     return layers
 
 
+def uniform_shares(x, doc_mask, eot_id):
+    """What sink_shares measures for a head that attends uniformly over every key its query may
+    see (the chance level of a share): 1/(t + 1) on the first token for query t (0 past the
+    first document under document masking), 1/(t - start + 1) on the query's document start."""
+    q = torch.arange(x.shape[1], device=x.device)
+    start = document_starts(x, eot_id) if doc_mask else torch.zeros_like(x)
+    first = torch.where(start == 0, 1 / (q + 1.0), 0.0)[:, 1:].double().mean().item()
+    row = {"first": first}
+    if doc_mask:
+        row["doc_first"] = (1 / (q - start + 1.0))[q != start].double().mean().item()
+    return row
+
+
+def sink_heads(shares, threshold):
+    """The head-level sink metric of Gu et al. 2025 ("When Attention Sink Emerges in Language
+    Models"): the share of (layer, head) pairs whose mean attention on the first token, over the
+    queries that see it, exceeds threshold (theirs: 0.3). shares: (n_layer, n_head) means."""
+    return float((np.asarray(shares) > threshold).mean())
+
+
 def run_sink(args):
     (model,), _, _, seq_len, batches = models_and_batches(args, [args.ckpt], "sink", attn_backend="eager")
-    totals, n = None, 0
+    totals, chance, n = None, None, 0
     for x, _, _ in batches:
         layers = sink_shares(model, x.to(args.device))
         arrays = {k: np.array([layer[k] for layer in layers]) for k in layers[0]}
         totals = arrays if totals is None else {k: totals[k] + arrays[k] for k in totals}
+        uniform = uniform_shares(x, model.cfg.doc_mask, model.cfg.eot_id)
+        chance = uniform if chance is None else {k: chance[k] + uniform[k] for k in chance}
         n += 1
+    # Each head's share is already Gu et al.'s per-head average over query positions, with one
+    # difference: query 0 (a document's first token) is left out, as it attends only to itself
+    # and scores 1 whatever the head does; they include it. That moves a head's mean by at most
+    # 1/T (0.002 at T=512). No later query is left out: the first k queries can lift a mean by at
+    # most k/(T-1) (under 2% for k=10 at T>=512), and a head that attends uniformly scores
+    # uniform_share_* (0.01-0.03 on the study's byte text at T=256-1024), far below a 0.3
+    # threshold. Under document masking, doc_first is the same metric on each query's own
+    # document start, which is the first token that query can see.
     means = {k: v / n for k, v in totals.items()}
     rows = [{"layer": i, "head": h, **{f"share_{k}": float(v[i, h]) for k, v in means.items()}}
             for i in range(model.cfg.n_layer) for h in range(model.cfg.n_head)]
     summary = {f"mean_share_{k}": float(v.mean()) for k, v in means.items()}
     summary.update({f"max_share_{k}": float(v.max()) for k, v in means.items()})
-    summary.update(attn_gate=model.cfg.attn_gate, split=args.split, seq_len=seq_len)
+    summary.update({f"sink_heads_{k}": sink_heads(v, args.threshold) for k, v in means.items()})
+    summary.update({f"uniform_share_{k}": v / n for k, v in chance.items()})
+    summary.update(threshold=args.threshold, attn_gate=model.cfg.attn_gate, split=args.split, seq_len=seq_len)
     return {"analysis": "sink", "ckpt": args.ckpt, "summary": summary, "rows": rows}
 
 
@@ -595,14 +627,22 @@ ANCHOR_METRICS = ("seen_pair_acc", "test_key_acc", "heldout_inferential", "heldo
 
 def sweep_metrics(row):
     """The numbers a sweep row is compared by: eval.py loss (overall and per source), the
-    first-token attention share when `sink` was evaluated, the anchor task's accuracies and
-    held-out answer shares when `anchor` was, and train.py's best val loss."""
+    first-token attention share and the share of sink heads when `sink` was evaluated, the
+    anchor task's accuracies and held-out answer shares when `anchor` was, and train.py's best
+    val loss."""
     out, evals = {}, row["eval"]
     if "loss" in evals:
         out["loss"] = evals["loss"]["summary"]["loss"]
         out.update((f"loss_{r['source']}", r["loss"]) for r in evals["loss"]["rows"])
     if "sink" in evals:
-        out["sink_first"] = evals["sink"]["summary"]["mean_share_first"]
+        sink = evals["sink"]["summary"]
+        out["sink_first"] = sink["mean_share_first"]
+        # The head-level metric (eval.py sink's sink_heads_*) and the document-start shares exist
+        # in rows evaluated since they were added, and doc_first only under document masking.
+        for name, key in (("sink_heads", "sink_heads_first"), ("sink_doc_first", "mean_share_doc_first"),
+                          ("sink_doc_heads", "sink_heads_doc_first")):
+            if key in sink:
+                out[name] = sink[key]
     if "anchor" in evals:
         out.update((k, evals["anchor"]["summary"][k]) for k in ANCHOR_METRICS)
         # composing minus copying: one number per run, > 0 when the held-out pair is mostly composed
@@ -922,7 +962,9 @@ def build_parser():
     p.add_argument("ckpt_a", help="model A (.pt export, checkpoint folder or run folder): Δsym > 0 where A is better")
     p.add_argument("ckpt_b", help="model B, on the same tokenizer")
     p.add_argument("--buckets", type=at_least(1), default=10, help="equal-count difficulty buckets, easy to hard")
-    command("sink", run_sink, "attention share on the first token per layer/head", data="batches")
+    p = command("sink", run_sink, "attention share on the first token per layer/head", data="batches")
+    p.add_argument("--threshold", type=float, default=0.3, help="sink_heads_*: the share of heads whose mean "
+                   "attention on the first token exceeds this (Gu et al. 2025's sink metric uses 0.3)")
     p = command("weights", run_weights, "stable rank and row cosine of every matrix", ckpt=False, plot=True,
                 runs_model=False)
     p.add_argument("ckpts", nargs="+", help="checkpoints or run folders; several -> trajectory")
@@ -966,7 +1008,8 @@ def build_parser():
     p.add_argument("--plot-together", metavar="PNG", help="sweeps: one --plot-x plot over the rows of every sweep given, "
                    "at this path, instead of one beside each results JSON")
     p.add_argument("--plot-metric", default="loss", help="sweeps: what --plot-x plots, comma-separated "
-                   f"(loss, best_val_loss, sink_first, loss_<source>, {', '.join(ANCHOR_METRICS)})")
+                   f"(loss, best_val_loss, sink_first, sink_heads, sink_doc_first, sink_doc_heads, loss_<source>, "
+                   f"{', '.join(ANCHOR_METRICS)})")
     p = command("sample", run_sample, "print continuations of a prompt", output=False)
     p.add_argument("--tokenizer-dir", help="offline tokenizer files (prepare_data.py --tokenizer-dir)")
     p.add_argument("--prompt", default="\n", help="text the continuations start from")

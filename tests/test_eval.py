@@ -396,6 +396,114 @@ def test_sink_share_on_document_starts_with_document_masking():
     for layer in ev.sink_shares(model, x):
         np.testing.assert_allclose(layer["doc_first"], [np.mean(shares)] * 2, rtol=1e-6)
         np.testing.assert_allclose(layer["first"], [np.mean(firsts)] * 2, rtol=1e-6)
+    # The chance level eval.py sink reports beside them is the same loop's numbers.
+    chance = ev.uniform_shares(x, True, 256)
+    assert chance == pytest.approx({"first": np.mean(firsts), "doc_first": np.mean(shares)}, rel=1e-6)
+    assert ev.uniform_shares(x, False, 256) == pytest.approx({"first": np.mean([1 / (q + 1) for q in range(1, 24)])}, rel=1e-6)
+
+
+def set_attention(model, first):
+    """Every layer's attention replaced by a known one: head h of layer l puts first[l][h] on the
+    first token and spreads the rest evenly over the query's other keys (query 0 sees only
+    itself). A hook on probs_tap that returns a tensor replaces its output for the hooks after
+    it, so capture_attention sees these probabilities."""
+    def hook(layer):
+        def replace(module, args, probs):
+            T = probs.shape[-1]
+            p = torch.zeros_like(probs)
+            p[..., 0, 0] = 1.0
+            for h, a in enumerate(first[layer]):
+                p[:, h, 1:, 0] = a
+                for t in range(1, T):
+                    p[:, h, t, 1:t + 1] = (1 - a) / t
+            return p
+        return replace
+    return [block.attn.probs_tap.register_forward_hook(hook(i)) for i, block in enumerate(model.layers)]
+
+
+def test_sink_heads_counts_the_heads_set_above_the_threshold():
+    # 2 layers x 4 heads with known first-token shares: 3 of 8 exceed 0.3, 6 of 8 exceed 0.2.
+    first = [[0.05, 0.31, 0.29, 0.9], [0.28, 0.6, 0.25, 0.01]]
+    model = tiny_model(attn_backend="eager", n_head=4)
+    handles = set_attention(model, first)
+    try:
+        shares = np.array([layer["first"] for layer in ev.sink_shares(model, torch.randint(0, 256, (2, 16)))])
+    finally:
+        for h in handles:
+            h.remove()
+    np.testing.assert_allclose(shares, first, rtol=1e-6)
+    assert ev.sink_heads(shares, 0.3) == 3 / 8
+    assert ev.sink_heads(shares, 0.2) == 6 / 8
+    assert ev.sink_heads(shares, 0.95) == 0
+
+
+def rope64(x, theta):
+    """RoPE in float64, written out: channel i and i + d/2 of position t rotate by t * theta^(-2i/d)."""
+    T, d = x.shape[-2], x.shape[-1]
+    angle = torch.arange(T, dtype=torch.float64)[:, None] * theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    x1, x2 = x[..., :d // 2], x[..., d // 2:]
+    return torch.cat([x1 * angle.cos() - x2 * angle.sin(), x1 * angle.sin() + x2 * angle.cos()], dim=-1)
+
+
+def test_sink_heads_match_a_float64_softmax_of_the_queries_and_keys():
+    # A model with peaked attention (wq, wk scaled up), document masking and end-of-text tokens;
+    # two heads are built to attend to document starts. Each layer's attention recomputed in
+    # float64 from its input (a pre-hook on attn), the weights and a mask built by loops; each
+    # head's mean share on the first token and on the query's document start, and the share of
+    # heads above each threshold between two heads' values.
+    model = tiny_model(gamma=0.5, seed=3, attn_backend="eager", n_head=4, doc_mask=True, eot_id=256)
+    x = torch.randint(0, 255, (2, 40), generator=torch.Generator().manual_seed(1))
+    x[0, [9, 30]] = x[1, 20] = 256
+    x[:, 0] = x[0, [10, 31]] = x[1, 21] = 255  # token 255 starts every document, and only there
+    with torch.no_grad():
+        # Every token carries channel 0, token 255 also channel 1. Channel 7 of a head (with 15,
+        # the RoPE pair that turns slowest: 0.013 rad over 40 positions) then gives every query
+        # about the same q and only token 255 a key: in layer 0 a score on document starts of
+        # about 8 * 5.7 * w^2 / 4 (0.95 of the attention for w = 1; layer 1's input is mixed, so
+        # its head needs a larger w, 0.48).
+        model.tok_emb.weight[:, 0] += 3
+        model.tok_emb.weight[255, 1] += 3
+        for layer, head, w in ((0, 1, 1.0), (1, 2, 1.5)):
+            attn = model.layers[layer].attn
+            for proj, channel in ((attn.wq, 0), (attn.wk, 1)):
+                proj.weight.mul_(4)
+                proj.weight[[head * 16 + 7, head * 16 + 15]] = 0
+                proj.weight[head * 16 + 7, channel] = w
+    inputs = []
+    handles = [b.attn.register_forward_pre_hook(lambda m, args: inputs.append(args[0].detach())) for b in model.layers]
+    try:
+        layers = ev.sink_shares(model, x)
+    finally:
+        for h in handles:
+            h.remove()
+    B, T = x.shape
+    starts = []
+    for row in x.tolist():
+        start, s = 0, []
+        for t in range(T):
+            if t > 0 and row[t - 1] == 256:
+                start = t
+            s.append(start)
+        starts.append(s)
+    allowed = torch.tensor([[[k <= q and k >= starts[b][q] for k in range(T)] for q in range(T)] for b in range(B)])
+    ours = {"first": [], "doc_first": []}
+    for block, inp in zip(model.layers, inputs):
+        attn, H = block.attn, block.attn.n_head
+        hd = attn.head_dim
+        q = rope64((inp.double() @ attn.wq.weight.double().T).view(B, T, H, hd).transpose(1, 2), attn.rope_theta)
+        k = rope64((inp.double() @ attn.wk.weight.double().T).view(B, T, H, hd).transpose(1, 2), attn.rope_theta)
+        p = (q @ k.transpose(-1, -2) / math.sqrt(hd)).masked_fill(~allowed[:, None], -math.inf).softmax(-1)
+        ours["first"].append([p[:, h, 1:, 0].mean().item() for h in range(H)])
+        ours["doc_first"].append([np.mean([p[b, h, t, starts[b][t]].item() for b in range(B) for t in range(T)
+                                           if t != starts[b][t]]) for h in range(H)])
+    for key, want in ours.items():
+        got = np.array([layer[key] for layer in layers])
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
+        values = np.sort(np.ravel(want))
+        assert values[0] < 0.1 and values[-1] > 0.3  # the model really has heads on both sides
+        for i in range(1, len(values)):  # every threshold between two heads' values
+            threshold = (values[i - 1] + values[i]) / 2
+            assert ev.sink_heads(got, threshold) == np.mean(np.array(want) > threshold)
 
 
 # ----------------------------------------------------------------------------- subcommands end to end
@@ -588,10 +696,16 @@ def test_tokens_compares_two_checkpoints_on_identical_tokens(tmp_path, text_data
 
 
 def test_sink_command_on_a_checkpoint_with_uniform_attention(tmp_path, text_data):
-    result = ev.main(["sink", export(uniform_attention_model(), tmp_path / "u.pt"), "--data", text_data, *DATA_ARGS])
-    expected = np.mean([1 / (q + 1) for q in range(1, 32)])
+    ckpt = export(uniform_attention_model(), tmp_path / "u.pt")
+    result = ev.main(["sink", ckpt, "--data", text_data, *DATA_ARGS])
+    expected = np.mean([1 / (q + 1) for q in range(1, 32)])  # 0.099
     assert len(result["rows"]) == 4  # 2 layers x 2 heads
     assert all(r["share_first"] == pytest.approx(expected, rel=1e-5) for r in result["rows"])
+    # Uniform attention is the chance level itself; no head exceeds 0.3, every head exceeds 0.09.
+    assert result["summary"]["uniform_share_first"] == pytest.approx(expected, rel=1e-6)
+    assert result["summary"]["sink_heads_first"] == 0 and result["summary"]["threshold"] == 0.3
+    low = ev.main(["sink", ckpt, "--data", text_data, *DATA_ARGS, "--threshold", "0.09"])["summary"]
+    assert low["sink_heads_first"] == 1 and low["threshold"] == 0.09
 
 
 def test_residual_command_attributes_branches_correctly(tmp_path, text_data):

@@ -433,6 +433,29 @@ def test_report_pairs_anchor_arms_by_their_margin(tmp_path, capsys):
     assert "+0.9500 ± 0.3536 [-2.2265, +4.1265]" in text
 
 
+def test_report_of_a_sink_sweep_shows_the_head_metric(tmp_path, capsys):
+    """eval.py sink's summary in a sweep row becomes the report's sink_first, sink_heads,
+    sink_doc_first and sink_doc_heads columns, and --pair-metric pairs any of them; a row
+    evaluated before the head metric existed keeps its sink_first alone."""
+    def row(arm, seed, heads, doc_heads):
+        sink = {"mean_share_first": 0.01, "mean_share_doc_first": 0.02, "sink_heads_first": heads,
+                "sink_heads_doc_first": doc_heads, "threshold": 0.3}
+        return {"point": f"{arm}-seed{seed}", "arm": arm, "setting": {}, "seed": seed, "best_val_loss": 2.0,
+                "tokens": 10, "eval": {"sink": {"summary": sink, "rows": None}}}
+    rows = [row("g05", 0, 0.25, 0.5), row("g05", 1, 0.0, 0.25), row("g1", 0, 0.5, 0.75), row("g1", 1, 0.25, 0.25)]
+    table = ev.sweep_table({"rows": rows})
+    assert table[0]["sink_heads"] == "0.1250 ± 0.1768" and table[0]["sink_doc_heads"] == "0.3750 ± 0.1768"
+    assert table[1]["sink_first"] == "0.0100 ± 0.0000" and table[1]["sink_doc_first"] == "0.0200 ± 0.0000"
+    path = tmp_path / "sink.json"
+    path.write_text(json.dumps({"analysis": "sweep", "name": "s", "summary": {"points": 4, "finished": 4}, "rows": rows}))
+    ev.main(["report", str(path), "--pair", f"{path}:g05", f"{path}:g1", "--pair-metric", "sink_doc_heads",
+             "--out", str(tmp_path / "r.md")])
+    assert "### paired by seed (sink_doc_heads)" in (tmp_path / "r.md").read_text()
+    assert "0: +0.2500, 1: +0.0000" in (tmp_path / "r.md").read_text()
+    old = {**rows[0], "eval": {"sink": {"summary": {"mean_share_first": 0.01}, "rows": None}}}
+    assert ev.sweep_metrics(old) == {"sink_first": 0.01, "best_val_loss": 2.0}
+
+
 def test_t_quantiles_against_numerical_integration():
     # P(T <= t) of Student's t with df degrees of freedom, by integrating its density (float64).
     for df, t in enumerate(ev.T_975, start=1):
