@@ -71,7 +71,7 @@ max_steps = 1000                # optimizer steps
 # optimizer: AdamW with one parameter group per kind of parameter
 lr = 1e-3                       # peak learning rate, reached after warmup_steps
 betas = (0.9, 0.95)             # AdamW's moment decays
-adam_eps = 1e-8                 # AdamW's denominator floor
+adam_eps = 1e-8                 # AdamW's denominator floor, at least float32's smallest normal (1.2e-38)
 weight_decay = {"matrix": 0.1, "embed": 0.0, "norm": 0.0}   # decoupled, times lr
 grad_clip = 1.0                 # max global grad norm; 0 disables clipping (norm still logged)
 schedule = "cosine"             # "cosine" | "wsd" (warmup-stable-decay)
@@ -148,8 +148,13 @@ def validate(cfg):
     for key in ("warmup_steps", "keep_every", "dry_run", "peak_flops", "grad_clip"):
         if cfg[key] < 0:
             raise ValueError(f"config: {key}={cfg[key]} must be >= 0")
-    if not cfg["adam_eps"] > 0:  # 0: a parameter whose gradient is 0 gets the update 0/0 = NaN
-        raise ValueError(f"config: adam_eps={cfg['adam_eps']} must be > 0 (e.g. 1e-8)")
+    # AdamW's state is fp32: an eps below its smallest normal is a subnormal (read as 0 where
+    # denormals are flushed) or, below ~7e-46, exactly 0, and a parameter whose gradient is 0 then
+    # gets the update 0/0 = NaN, which the divergence hint would blame on lr.
+    if not cfg["adam_eps"] >= FP32.tiny:
+        raise ValueError(f"config: adam_eps={cfg['adam_eps']:g} must be >= float32's smallest normal {FP32.tiny:.3g} "
+                         f"(AdamW's state is fp32: smaller is 0 or subnormal there, and a zero gradient's update "
+                         f"0/0 = NaN); use e.g. 1e-8")
     if not all(type(s) is int and 0 <= s <= cfg["max_steps"] for s in cfg["keep_steps"]):
         raise ValueError(f"config: keep_steps={cfg['keep_steps']} must be whole steps between 0 and max_steps")
     if not 0 <= cfg["seed"] < 2**64:  # torch's generators take 64 bits, numpy's no negative seed

@@ -165,20 +165,30 @@ def test_double_launch_exits_at_once_naming_the_holder(data_dir, tmp_path):  # n
 
 
 # ----------------------------------------------------------------------------- non-finite state
-def test_adam_eps_zero_is_rejected():
-    with pytest.raises(ValueError, match=r"adam_eps=0.0 must be > 0"):
-        train.load_config(["--adam_eps=0"])
+@pytest.mark.parametrize("eps", [0.0, 1e-50, 1e-40, 1e-38, 1.2e-38, 1e-8])
+def test_adam_eps_below_the_fp32_normal_range_is_rejected(eps):
+    """float32 (AdamW's state) is the reference: an eps it rounds to 0 or holds only as a
+    subnormal is refused; 1e-50 used to pass and train to NaN with a hint blaming lr."""
+    fp32 = torch.tensor(eps, dtype=torch.float32)
+    if fp32 != 0 and abs(fp32) >= torch.finfo(torch.float32).smallest_normal:
+        assert train.load_config([f"--adam_eps={eps!r}"])["adam_eps"] == eps
+    else:
+        with pytest.raises(ValueError, match=rf"adam_eps={eps:g} must be >= float32's smallest normal 1.18e-38"):
+            train.load_config([f"--adam_eps={eps!r}"])
 
 
 @pytest.mark.slow
 def test_non_finite_weights_are_never_saved(data_dir, tmp_path):  # noqa: F811
-    """adam_eps=1e-50 is 0 in fp32: every parameter entry without gradient (embedding rows of
-    bytes not in the batch) gets the update 0/0 = NaN, while the loss and gradient norm that the
-    step checks are finite. The step-1 checkpoint would hold NaN; it is refused, and nothing is
-    left that looks like a checkpoint. (An init can't be non-finite: γ is at most 3.)"""
+    """lr=2e38 with betas (0, 0.95) and weight decay 1 on the norm gains, each within float32 (the
+    config takes them): AdamW scales every gain (1 at init) by 1 - lr*wd = -2e38, then moves it by
+    about lr against its gradient, so a gain with a positive gradient ends at -4e38 = -inf, while
+    the loss and gradient norm that the step checks, taken before the update, are finite. The
+    step-1 checkpoint would hold -inf; it is refused, and nothing is left that looks like a
+    checkpoint. (An init can't be non-finite: γ is at most 3; nor can adam_eps give 0/0: it is at
+    least float32's smallest normal.)"""
     out = str(tmp_path / "run")
     p = run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--ckpt_interval=1", "--max_steps=4",
-                   "--adam_eps=1e-50"], ok=False)
+                   "--warmup_steps=0", "--lr=2e38", "--betas=(0.0, 0.95)", "--weight_decay.norm=1.0"], ok=False)
     err = one_line(p)
     assert "step 1: parameters or optimizer state are not finite" in err and "No checkpoint of this run was saved yet" in err
     assert not glob.glob(os.path.join(out, "*ckpt_*"))
@@ -396,6 +406,8 @@ def test_broken_config_files_are_one_line(tmp_path, text, message):
     ("--init_overrides={'^lm_haed': 0.5}", "overrides pattern '^lm_haed' matches no parameter (names are like lm_head.weight"),
     # a 30-line traceback from AdamW's first step: the step size overflows float32
     ("--lr=1e39", "config: lr=1e+39 is too large: AdamW's first step size lr/(1 - betas[0]) = 1e+40"),
+    # trained to NaN at step 2 (0 in fp32: 0/0 where a gradient is 0), the hint blaming lr
+    ("--adam_eps=1e-50", "config: adam_eps=1e-50 must be >= float32's smallest normal 1.18e-38"),
 ])
 def test_gamma_and_override_mistakes_are_one_line_before_training(data_dir, tmp_path, arg, message):  # noqa: F811
     out = tmp_path / "run"
