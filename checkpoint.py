@@ -596,18 +596,20 @@ def find_checkpoints(path):
 
 
 def newest_intact(run_dir, verify):
-    """The newest checkpoint of a run folder whose files match their sha256s (all of them when
-    verify is False); says on stderr which newer ones were passed over and why."""
+    """(path, its meta.json) of the newest checkpoint of a run folder whose files match their
+    sha256s (all of them when verify is False); says on stderr which newer ones were passed over
+    and why."""
     found, damaged = scan_checkpoints(run_dir)
     problems = dict(damaged)
     for path in reversed(found):
-        problem = checksum_problem(path, read_json(os.path.join(path, "meta.json"))) if verify else None
+        meta = read_json(os.path.join(path, "meta.json"))
+        problem = checksum_problem(path, meta) if verify else None
         if problem is None:
             skipped = sorted(p for p in problems if os.path.basename(p) > os.path.basename(path))
             if skipped:
                 print(f"{run_dir}: using {os.path.basename(path)}; newer but damaged: "
                       + "; ".join(f"{os.path.basename(p)} ({problems[p]})" for p in skipped), file=sys.stderr)
-            return path
+            return path, meta
         problems[path] = problem
     newest = max(problems, key=os.path.basename)
     raise ValueError(f"{run_dir}: every checkpoint is damaged (the newest, {os.path.basename(newest)}: "
@@ -620,11 +622,12 @@ def load_model(path, device="cpu", attn_backend=None, verify=True):
     checkpoint. verify=False skips the sha256 check of the checkpoint's files (a full read of them)."""
     found = find_checkpoints(path)
     if os.path.isdir(path) and found != [path]:  # a run folder
-        path = newest_intact(path, verify)
-    else:
-        path = found[-1]
-        problem = checksum_problem(path, read_json(os.path.join(path, "meta.json"))) \
-            if verify and os.path.isdir(path) else None
+        path, info = newest_intact(path, verify)
+    elif os.path.isdir(path):
+        # Read once: the settings returned are then those whose sha256s were checked, even if
+        # the file is replaced meanwhile.
+        info = read_json(os.path.join(path, "meta.json"))
+        problem = checksum_problem(path, info) if verify else None
         if problem:
             raise ValueError(f"{path}: damaged checkpoint ({problem}); pass another checkpoint")
     if os.path.isfile(path):
@@ -640,8 +643,6 @@ def load_model(path, device="cpu", attn_backend=None, verify=True):
             raise ValueError(f"{path}: not a smallinit export (needs 'model' and 'model_config'); "
                              "make one with `python train.py export <ckpt_dir> <file.pt>`")
         info = {k: v for k, v in blob.items() if k != "model"}
-    else:
-        info = read_json(os.path.join(path, "meta.json"))
     # Built on the meta device: the random init of GPT(cfg) would be overwritten anyway, and at
     # 1.5B it costs a minute and a full extra copy of the weights in host memory.
     with torch.device("meta"):

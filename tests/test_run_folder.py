@@ -330,6 +330,31 @@ def test_crafted_byte_entry_runs_no_code(tmp_path):
 
 
 # ----------------------------------------------------------------------------- checksums
+@pytest.mark.parametrize("target", ["ckpt_00000006", "."])
+def test_load_model_returns_the_meta_json_whose_sha256s_it_checked(run6, tmp_path, monkeypatch, target):
+    """A checkpoint folder or a run folder: meta.json is read once, so the settings load_model
+    returns are the ones it verified the files against, even when the file is replaced right after
+    the check (it was read a second time for the settings, which then came from the new file)."""
+    run = copy_run(run6, tmp_path)
+    meta_file = os.path.join(run, "ckpt_00000006", "meta.json")
+    with open(meta_file) as f:
+        on_disk = json.load(f)
+    real = checkpoint.checksum_problem
+    checked = []
+
+    def check_then_replace(path, meta, *args):
+        checked.append(json.loads(json.dumps(meta)))  # as it was when checked
+        problem = real(path, meta, *args)
+        with open(meta_file, "w") as f:
+            json.dump({**meta, "step": 999}, f)
+        return problem
+
+    monkeypatch.setattr(checkpoint, "checksum_problem", check_then_replace)
+    _, info = checkpoint.load_model(os.path.join(run, target))
+    assert checked == [on_disk] and info["step"] == on_disk["step"] == 6
+    assert {k: v for k, v in info.items() if k != "path"} == on_disk
+
+
 def test_checkpoint_records_the_sha256_of_every_file_it_wrote(run6):
     for ckpt in checkpoint.complete_checkpoints(run6):
         recorded = json.load(open(os.path.join(ckpt, "meta.json")))["sha256"]
