@@ -611,8 +611,10 @@ def test_truncated_tokenize_cache_is_not_trusted(tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     meta = prepare(out, src, shard_tokens=1000)
     assert "incomplete, tokenizing again" in capsys.readouterr().err
-    for name in meta["splits"]["train"]["shards"]:
-        assert open(out / name, "rb").read() == open(tmp_path / "ref" / name, "rb").read()
+    assert meta["splits"] == reference["splits"]  # every shard's name, token count and sha256, both splits
+    for split in ("train", "val"):
+        for name in meta["splits"][split]["shards"]:
+            assert open(out / name, "rb").read() == open(tmp_path / "ref" / name, "rb").read()
 
 
 def replace_corpus(folder, docs, same_size_as=None):
