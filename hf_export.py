@@ -157,7 +157,7 @@ def write_folder(out_dir, write):
 
 
 def export_hf(ckpt, out_dir, tokenizer_dir=None):
-    """Write CKPT (any checkpoint train.load_model loads) as a transformers folder; returns the architecture."""
+    """Write CKPT (any checkpoint checkpoint.load_model loads) as a transformers folder; returns the architecture."""
     require("transformers", "the config and tokenizer classes")
     safetensors_torch = require("safetensors.torch", "writes model.safetensors")
     model, info = load_model(ckpt)
