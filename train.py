@@ -508,7 +508,7 @@ def evaluation(net, val_loader, cfg, device, step, track):
 def log_step(cfg, metrics, device, step, first_line, since, train_time, lr, loss, norm, moe_counts, aux, fpt, peak):
     """The log line after this launch's first step and every log_interval steps (and the last), a
     metrics.jsonl row on the latter. since: the (step, training seconds) that throughput counts
-    from, returned moved to a recorded step; peak: FLOP/s of all ranks (0: unknown, no MFU)."""
+    from, returned moved to this step; peak: FLOP/s of all ranks (0: unknown, no MFU)."""
     recorded = step % cfg["log_interval"] == 0 or step == cfg["max_steps"]  # metrics.jsonl keeps its interval
     if not (recorded or first_line):
         return since
@@ -526,9 +526,10 @@ def log_step(cfg, metrics, device, step, first_line, since, train_time, lr, loss
     log0(f"step {step}/{cfg['max_steps']} loss {loss:.4f} lr {lr:.3g} grad norm {norm:.3g} {tps:,.0f} tok/s mfu {mfu} "
          f"mem {row['mem_gib']:.2f} GiB eta {row['eta_s'] / 60:.1f} min{moe}"
          + (" (first step: compile and warm-up included)" if first_line else ""))
-    if not recorded:
-        return since
-    metrics.record(row)
+    if recorded:
+        metrics.record(row)
+    # Moved on the first line too: else the next line averages in the first step's compile
+    # (an H200 showed step 2 at 2,991 tok/s, as if it compiled again; alone it ran at ~53k).
     return step, train_time
 
 

@@ -499,6 +499,24 @@ def test_half_written_metrics_row_and_missing_export_folder(tmp_path):
 
 
 # ----------------------------------------------------------------------------- ETA and live curves
+def test_throughput_after_the_first_line_leaves_out_the_first_step(monkeypatch):
+    """The first step (compile, warm-up) has a line of its own; the next line's tok/s covers only
+    the steps after it. By hand: 128 tokens a step, step 1 done at 7 s, step 4 at 10 s: 128/7 then
+    3 * 128/3. (An H200 read 2,991 tok/s at step 2, steps 1 and 2 averaged, as if something had
+    compiled again; step 2 alone ran at ~53k.)"""
+    printed, recorded = [], []
+    monkeypatch.setattr(train, "log0", printed.append)
+    metrics = type("Rows", (), {"spent": {"eval_s": [], "ckpt_s": []}, "record": staticmethod(recorded.append)})()
+    cfg = train.load_config([*TINY, "--log_interval=4", "--max_steps=100"])
+    since = (0, 0.0)
+    for step, seconds in ((1, 7.0), (2, 8.0), (3, 9.0), (4, 10.0)):
+        since = train.log_step(cfg, metrics, torch.device("cpu"), step, step == 1, since, seconds,
+                               1e-3, 5.0, 1.0, None, None, 1.0, 0.0)
+    assert [line.split()[1] for line in printed] == ["1/100", "4/100"]
+    assert f"{128 / 7:,.0f} tok/s" in printed[0] and f"{128:,.0f} tok/s" in printed[1]
+    assert [row["step"] for row in recorded] == [4] and recorded[0]["tokens_per_s"] == pytest.approx(128.0)
+
+
 def test_eta_counts_the_evaluations_and_checkpoints_still_due():
     cfg = {"max_steps": 100, "eval_interval": 30, "ckpt_interval": 40, "keep_steps": [0, 45, 80, 100]}
     spent = {"eval_s": [2.0, 4.0], "ckpt_s": [10.0]}
