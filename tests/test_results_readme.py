@@ -29,9 +29,6 @@ ROUNDED = {
     # anchor rows (report_anchor_*.md, heldout shares by seed)
     "0.80": [("report_anchor_robust.md", "0.8010"),  # robustness: the recipe's best inferential, held out (2,4) seed 2
              ("report_anchor_width_lr.md", "0.8030")],  # width/lr: baseline at d_model 128, symmetric, seed 1
-    "0.34": [("report_anchor_robust.md", "0.3355")],  # robustness: the baseline's least symmetric, held out (1,3) seed 2
-    "0.79": [("report_anchor_robust.md", "0.7930")],  # robustness: the baseline's most symmetric, key last seed 2
-    "0.09": [("report_anchor_robust.md", "0.0895")],  # robustness: the baseline's most inferential, held out (1,3) seed 2
     "0.29": [("report_anchor_phase.md", "0.2885")],  # phase: γ=0.5, depth 4, seed 1
     "0.40": [("report_anchor_phase.md", "0.3995")],  # phase: γ=0.75, depth 2, seed 0
     "0.76": [("report_anchor_phase.md", "0.7550")],  # phase: γ=0.75, depth 4, seed 0
