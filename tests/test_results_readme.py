@@ -107,6 +107,9 @@ ROUNDED = {
     "0.140": [("report_settings_fine.md", "+0.1399")],  # claim 3's exploration: both off − recipe at 5.5e-3
     "0.51": [("report_confirm_anchor.md", "0.5065")],  # claim 7: the baseline's least symmetric share
     "0.71": [("report_confirm_anchor.md", "0.7140")],  # claim 7: its most symmetric share
+    # beyond the paper: the ε regime and claim 1 at emulated scale
+    "0.048": [("report_eps_regime.md", "+0.0479")],  # the largest |Δloss| up to r = 1 (d 32, r = 0.1)
+    "0.098": [("report_eps_claim1.md", "+0.0980")],  # the recipe's gain over the baseline at d 32
 }
 
 # Numbers no result file holds, with where they come from.
@@ -136,6 +139,8 @@ KNOWN = {
     "0.48": "baseline seed 1: 0.0520 − 0.5325 = −0.4805",
     "0.64": "confirm.md's misrounding of baseline seed 2's s (0.0450 − 0.6930 = −0.648), quoted as such",
     "0.65": "baseline seed 2: −0.648",
+    # A setting, not a measurement.
+    "41.94": "the paper's r = ε·d² at d=2048, ε=1e-5 (cpu_lm.sh eps_claim1 sets ε = 41.94/d²)",
 }
 
 
