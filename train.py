@@ -164,6 +164,11 @@ def validate(cfg):
     for key in ("min_lr_ratio", "decay_frac"):
         if not 0 <= cfg[key] <= 1:
             raise ValueError(f"config: {key}={cfg[key]} must be between 0 and 1")
+    decay_start = cfg["max_steps"] - int(cfg["decay_frac"] * cfg["max_steps"])  # lr_at's, for wsd
+    if cfg["schedule"] == "wsd" and cfg["warmup_steps"] > decay_start:  # lr would drop from the peak at once
+        raise ValueError(f"config: schedule='wsd' decays from step {decay_start} (decay_frac={cfg['decay_frac']} of "
+                         f"max_steps={cfg['max_steps']}), before warmup_steps={cfg['warmup_steps']} end: lower "
+                         f"decay_frac to <= {(cfg['max_steps'] - cfg['warmup_steps']) / cfg['max_steps']:g} or warmup_steps to <= {decay_start}")
     if len(cfg["betas"]) != 2 or not all(type(b) in (int, float) and 0 <= b < 1 for b in cfg["betas"]):
         raise ValueError(f"config: betas={cfg['betas']} must be two numbers in [0, 1), e.g. (0.9, 0.95)")
     if any(v < 0 for v in cfg["weight_decay"].values()):

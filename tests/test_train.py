@@ -122,6 +122,9 @@ def test_config_defaults_files_and_overrides(tmp_path):
     (["--seq_len=2048"], "seq_len=2048 > the model's max_seq_len=1024"),
     (["--eval_batches=0"], "eval_batches=0 must be >= 1"),
     (["--decay_frac=1.5"], "decay_frac=1.5 must be between 0 and 1"),
+    (["--schedule=wsd", "--max_steps=100", "--warmup_steps=30", "--decay_frac=0.75"],
+     "schedule='wsd' decays from step 25 (decay_frac=0.75 of max_steps=100), before warmup_steps=30 end: "
+     "lower decay_frac to <= 0.7 or warmup_steps to <= 25"),
     (["--lr=0.0"], "lr=0.0 must be > 0"),
     (["--betas=(0.9,)"], "betas=(0.9,) must be two numbers"),
     (["--betas=(0.9, 'x')"], "betas=(0.9, 'x') must be two numbers"),
@@ -237,6 +240,11 @@ def test_schedules_by_hand():
     lr = [train.lr_at(cfg, s) for s in range(110)]
     assert lr[10:88] == [1.0] * 78                              # stable until the last 22 steps
     assert lr[88] == pytest.approx(1 - 1 / 22) and lr[-1] == pytest.approx(0.0)
+    # The decay may start right where warmup ends (the largest decay_frac the config check allows).
+    cfg = train.load_config(["--lr=1.0", "--min_lr_ratio=0.0", "--warmup_steps=10", "--max_steps=110",
+                             "--schedule=wsd", f"--decay_frac={100 / 110}"])
+    lr = [train.lr_at(cfg, s) for s in range(110)]
+    assert lr[9] == pytest.approx(1.0) and lr[10] == pytest.approx(1 - 1 / 100) and lr[-1] == pytest.approx(0.0)
 
 
 # ----------------------------------------------------------------------------- shipped configs
