@@ -2,7 +2,7 @@
 # Issue 26, item 4: find a CPU setting where the standard baseline forms an attention sink, then
 # test the paper's claim there: "small init raises the attention sink, the gate removes it". At
 # the study's setting (config/cpu_lm.py: 2 layers, 256 tokens, 320 steps) every first-token share
-# was about 1%, what uniform attention gives, so the claim was untested (results/README.md).
+# was about 1%, no more than uniform attention gives, so the claim was untested (results/README.md).
 #   bash results/cpu_lm.sh data                 # data/bi_bytes, once (this script builds no data)
 #   bash results/sink_search.sh [SECTION ...]   # default: search search_report claim claim_report
 #   DRY_RUN=1 bash results/sink_search.sh search claim   # the points and commands; nothing runs

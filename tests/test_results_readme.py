@@ -139,7 +139,8 @@ KNOWN = {
     "0.48": "baseline seed 1: 0.0520 − 0.5325 = −0.4805",
     "0.64": "confirm.md's misrounding of baseline seed 2's s (0.0450 − 0.6930 = −0.648), quoted as such",
     "0.65": "baseline seed 2: −0.648",
-    # A setting, not a measurement.
+    # Settings, not measurements.
+    "10.5": "the sink search's largest budget in millions of tokens: 1,280 steps x 8,192 = 10,485,760 (report_sink_search.md)",
     "41.94": "the paper's r = ε·d² at d=2048, ε=1e-5 (cpu_lm.sh eps_claim1 sets ε = 41.94/d²)",
 }
 
