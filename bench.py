@@ -137,15 +137,18 @@ def moe_fields(config):
     return dict(n_experts=8, top_k=2, d_expert=d_ff // 2)
 
 
+def plain_gpt(name, about, g, compile):
+    # γ=0.5, the plain GPT's usual scale: under γ=1 its LayerNorms' ε=1e-5 would dominate
+    # (init.py's ε audit warns); speed is the same either way.
+    return Variant(name, about, g, reference=True, gamma=0.5, compile=compile)
+
+
 def common_variants(g, compile, attn):
     """The variants every group shares: what each feature of model.GPT costs against the plain
     GPT, at the group's compile setting."""
     moe = moe_fields(g.config)
     return [
-        # γ=0.5, the plain GPT's usual scale: under γ=1 its LayerNorms' ε=1e-5 would dominate
-        # (init.py's ε audit warns); speed is the same either way.
-        Variant("reference", "plain GPT: LayerNorm, GELU, learned positions, fused qkv", g,
-                reference=True, gamma=0.5, compile=compile),
+        plain_gpt("reference", "plain GPT: LayerNorm, GELU, learned positions, fused qkv", g, compile),
         Variant("default", "model.GPT: RMSNorm, RoPE, SwiGLU, elementwise gate, γ=1", g, compile=compile),
         Variant("gate-headwise", "one gate per head (d×n_head matrix)", g, dict(attn_gate="headwise"), compile=compile),
         Variant("gate-none", "no attention gate", g, dict(attn_gate="none"), compile=compile),
@@ -165,7 +168,7 @@ def cpu_variants():
     # ~5M parameters, 4,096 tokens a step: a model one CPU core trains at a few steps a second.
     g = Group("5m", dict(vocab_size=257, n_layer=6, n_head=4, d_model=256), batch=16, seq_len=256, dtype="float32")
     return common_variants(g, compile=False, attn="eager") + [
-        Variant("reference-compiled", "plain GPT, blocks compiled", g, reference=True, compile=True),
+        plain_gpt("reference-compiled", "plain GPT, blocks compiled", g, compile=True),
         Variant("default-compiled", "model.GPT, blocks compiled", g, compile=True),
     ]
 
@@ -179,8 +182,7 @@ def cuda_variants():
     large = Group("1.5b", {**SIZES["1.5b"], **flex}, batch=8, seq_len=2048, dtype="bfloat16")
     return common_variants(small, compile=True, attn="sdpa") + [
         Variant("uncompiled", "model.GPT without torch.compile (flex is still compiled)", small),
-        Variant("reference", "plain GPT: LayerNorm, GELU, learned positions, fused qkv", large,
-                reference=True, compile=True),
+        plain_gpt("reference", "plain GPT: LayerNorm, GELU, learned positions, fused qkv", large, compile=True),
         Variant("default", "model.GPT: RMSNorm, RoPE, SwiGLU, elementwise gate, γ=1", large, compile=True),
     ]
 
