@@ -17,6 +17,8 @@ LRS=0.001,0.003,0.01,0.03,0.1
 GAMMA_LRS=$LRS  # first run on 1e-3..3e-2 (time); extended to 1e-1 after γ<=0.75 had their best at 3e-2
 WIDTH_LRS=0.0003,$LRS  # extended down after the recipe's best at width 256 was the 1e-3 edge
 FINE_LRS=0.0017,0.0055,0.017,0.055  # LRS's geometric midpoints (lr_fine and gamma_fine)
+HALF_LRS=0.001,0.0017,0.003,0.0055,0.01,0.017,0.03,0.055,0.1  # LRS and FINE_LRS merged (scale_wide)
+WIDE_SIZES="96:648:65 128:1200:120"  # d_model:max_steps:warmup_steps (scale_wide)
 SWEEP="python sweep.py $BASE --jobs $JOBS"
 # The data: globs, not folders (a folder goes through datasets' split inference, which reads only
 # the files whose names say "train": of corpus/en, one file of six).
@@ -81,6 +83,26 @@ print(",".join(out))
 PY
 }
 
+wide_lrs() {  # wide_lrs ARM D LR,LR,...: the lrs to run for ARM at width D: the starting grid, then
+    # while the seed-0 best sits on the edge of the lrs that ran, its neighbour on HALF_LRS beyond it
+    python - "$1" "$2" "$3" "$HALF_LRS" <<'PY'
+import json, os, sys
+arm, d = sys.argv[1], int(sys.argv[2])
+start, grid = ([float(v) for v in a.split(",")] for a in sys.argv[3:5])
+path = f"results/scale_wide_lr_{arm}.json"
+rows = [r for r in json.load(open(path))["rows"] if r["config"]["model"]["d_model"] == d] if os.path.exists(path) else []
+ran = {grid.index(r["config"]["lr"]): r["eval"]["loss"]["summary"]["loss"] for r in rows}
+lrs = sorted({grid.index(lr) for lr in start} | set(ran))
+if set(ran) >= set(lrs):  # every lr asked for so far has run: extend past an edge best
+    best = min(ran, key=ran.get)
+    if best == lrs[0] and best > 0:
+        lrs.insert(0, best - 1)
+    if best == lrs[-1] and best + 1 < len(grid):
+        lrs.append(best + 1)
+print(",".join(repr(grid[i]) for i in lrs))
+PY
+}
+
 scale_points() {  # scale_points ARM SEED|mean: N=loss per width, N the non-embedding parameters
     python - "$@" <<'PY'
 import json, statistics, sys
@@ -96,7 +118,7 @@ print(" ".join(f"{n}={statistics.mean(v)!r}" for n, v in sorted(by_n.items())))
 PY
 }
 
-ALL="data lr settings layernorm gamma analyses budget wd scale moe lr_width lr_fine gamma_fine settings_fine confirm report confirm_report eps_regime eps_regime_report eps_claim1"
+ALL="data lr settings layernorm gamma analyses budget wd scale moe lr_width lr_fine gamma_fine settings_fine confirm report confirm_report eps_regime eps_regime_report eps_claim1 scale_wide"
 # The confirmation runs of results/confirm.md: seeds never run in the exploration, every setting
 # fixed there (the lrs are typed, not re-chosen by best_lr), in the order the claims are listed.
 CONFIRM_SEEDS=100,101,102,103,104,105
@@ -218,6 +240,47 @@ scale)
         out=results/scaling/$([ $s = mean ] && echo mean || echo seed$s)
         made $out.json || python eval.py scaling --baseline $(scale_points baseline $s) \
             --compare $(scale_points recipe $s) --json-out $out.json $( [ $s = mean ] && echo --plot $out.png )
+    done
+    ;;
+scale_wide)
+    # 8b. Scale at widths 96 and 128 (issue 38): the scale section's rules (2 layers, ~20 tokens per
+    # non-embedding parameter: 264,768 and 492,288 of them; warmup a tenth of the steps). Each arm's
+    # lr on seed 0 over three points of HALF_LRS around its width-64 best on the finer grid (recipe
+    # 5.5e-3, baseline 1.7e-2), widened while the best sits on an edge (wide_lrs), then seeds 1
+    # and 2 at each best. Width 128 runs only once results/confirm_wide.md, its pre-registration,
+    # is in a commit.
+    sizes=()
+    for size in $WIDE_SIZES; do
+        IFS=: read -r d steps warm <<<"$size"
+        if [ $d = 128 ] && [ -z "$(git rev-list -1 --all -- results/confirm_wide.md)" ]; then
+            echo "width 128 waits for its pre-registration: commit results/confirm_wide.md first" >&2
+            break
+        fi
+        sizes+=($size)
+        for arm in recipe baseline; do
+            file=$([ $arm = baseline ] && echo config/_baseline.py)
+            start=$([ $arm = recipe ] && echo 0.003,0.0055,0.01 || echo 0.01,0.017,0.03)
+            axis= next=
+            while :; do
+                next=$(for sz in "${sizes[@]}"; do
+                    IFS=: read -r d steps warm <<<"$sz"
+                    for lr in $(wide_lrs $arm $d $start | tr , ' '); do echo $d:$steps:$warm:$lr; done
+                done | paste -sd,)
+                [ "$axis" = "$next" ] && break
+                axis=$next
+                $SWEEP --name scale_wide_lr_$arm --arm "$arm=$file" --seeds 0 \
+                    --grid model.d_model:max_steps:warmup_steps:lr=$axis || break
+            done
+        done
+        arms=()
+        for sz in "${sizes[@]}"; do
+            IFS=: read -r d steps warm <<<"$sz"
+            for arm in recipe baseline; do
+                file=$([ $arm = baseline ] && echo config/_baseline.py)
+                arms+=(--arm "${arm}_d$d=$file,model.d_model=$d,max_steps=$steps,warmup_steps=$warm,lr=$(best_lr results/scale_wide_lr_$arm.json $arm model.d_model=$d)")
+            done
+        done
+        $SWEEP --name scale_wide --seeds 1,2 "${arms[@]}"
     done
     ;;
 moe)
