@@ -38,11 +38,18 @@ def atomic_open(path):
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
-    except BaseException:  # a full disk, a kill signal turned exception: no temporary file left behind
-        if os.path.exists(tmp):
+        os.replace(tmp, path)  # a rename replaces a symlink at path; it never writes through one
+    except BaseException:  # a full disk, a kill signal turned exception, path a folder: no temporary file left behind
+        if os.path.lexists(tmp):
             os.remove(tmp)
         raise
-    os.replace(tmp, path)
+
+
+def open_nofollow(path, flags=os.O_RDWR | os.O_CREAT):
+    """os.open that refuses a symlink at path (OSError ELOOP) instead of following it: a run folder
+    may come from someone else (tar, rsync, a shared disk), and a lock or log file planted there as a
+    link would otherwise let opening it truncate or append to any file the user can write."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
 
 
 def atomic_write_bytes(path, chunks):

@@ -1,10 +1,11 @@
 """fileio.py: a results file written by two processes at once (two sweeps, two evals) is always
 one writer's whole file to a reader, and neither writer fails."""
+import errno
 import json
 import multiprocessing
 import os
 
-from fileio import atomic_open, write_json
+from fileio import atomic_open, open_nofollow, write_json
 
 WRITES = 150
 
@@ -48,3 +49,30 @@ def test_atomic_files_get_a_plain_files_mode(tmp_path):
         f.write(b"x")
     open(tmp_path / "b.bin", "wb").close()
     assert os.stat(tmp_path / "a.bin").st_mode == os.stat(tmp_path / "b.bin").st_mode  # not mkstemp's 0600
+
+
+def test_failed_rename_leaves_no_temporary_file(tmp_path):
+    # The target is a folder: the rename fails after the temporary file was written whole.
+    (tmp_path / "out.json").mkdir()
+    try:
+        write_json(tmp_path / "out.json", {"a": 1})
+    except OSError:
+        pass
+    else:
+        raise AssertionError("writing over a folder should fail")
+    assert sorted(os.listdir(tmp_path)) == ["out.json"]
+
+
+def test_open_nofollow_refuses_a_link_and_leaves_its_target(tmp_path):
+    target = tmp_path / "precious"
+    target.write_bytes(b"keep me")
+    (tmp_path / "train.lock").symlink_to(target)
+    try:
+        open_nofollow(tmp_path / "train.lock")
+    except OSError as e:
+        assert e.errno == errno.ELOOP
+    else:
+        raise AssertionError("open_nofollow followed a symlink")
+    assert target.read_bytes() == b"keep me"
+    os.close(open_nofollow(tmp_path / "plain.lock"))  # a plain name is created as before
+    assert (tmp_path / "plain.lock").is_file()
