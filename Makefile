@@ -1,33 +1,33 @@
 # Two entry points a newcomer copies from the README. Both install what they need.
 PYTHON ?= python3
 
-.PHONY: install plots test-extras test test-fast quickstart gpu-check
+.PHONY: install pytest plots test-extras test test-fast quickstart gpu-check
 
+# pyproject.toml lists the packages; installing it adds no module to the path (see its header).
 install:
-	$(PYTHON) -m pip install -q -r requirements.txt
+	$(PYTHON) -m pip install -q .
 
 # matplotlib only draws plots (eval.py --plot, the quickstart's figure): a failed install
 # costs the plots, not the run, and the plot tests then skip saying why.
 plots:
-	$(PYTHON) -m pip install -q matplotlib || echo "matplotlib could not be installed: plots will be skipped"
+	$(PYTHON) -m pip install -q ".[plots]" || echo "matplotlib could not be installed: plots will be skipped"
 
-# Packages only some tests use; a test whose package is missing skips, saying which.
-# transformers: init.py on Hugging Face models (tests/test_init_hf.py) and the HF export.
-# safetensors: the HF export's weights. lm-eval (+ accelerate, which its hf model needs): the
-# HellaSwag parity test. math-verify: MATH-500's math_verify metric.
-# tensorboard, wandb: train.py's optional live curves (tests/test_train.py's logger tests).
-TEST_EXTRAS += transformers safetensors lm-eval accelerate math-verify
-TEST_EXTRAS += tensorboard wandb
-
+# Packages only some tests use (pyproject.toml's extras; a test whose package is missing skips, saying
+# which). hf: init.py on Hugging Face models and the HF export. eval: the HellaSwag parity test against
+# lm-eval, MATH-500's math_verify metric. logging: train.py's optional live curves. dev: all, and pytest.
 test-extras:
-	$(PYTHON) -m pip install -q $(TEST_EXTRAS) || echo "could not install $(TEST_EXTRAS): the tests that need them will skip"
+	$(PYTHON) -m pip install -q ".[dev]" || echo "could not install the dev extras: the tests that need them will skip"
+
+# The runner alone, apart from the extras: a failed extra then skips its tests instead of every test.
+pytest:
+	$(PYTHON) -m pip install -q pytest
 
 # The whole suite, slow tests included (CI runs exactly this).
-test: install plots test-extras
+test: install pytest plots test-extras
 	$(PYTHON) -m pytest -q tests
 
 # Everything but the tests marked slow (torchrun, compile, training runs).
-test-fast: install
+test-fast: install pytest
 	$(PYTHON) -m pytest -q -m "not slow" tests
 
 # The γ experiment end to end on CPU (anchor task): data, two trainings, comparison table, plot.
