@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 
 import numpy as np
@@ -77,11 +78,73 @@ def pyplot():
     return plt
 
 
+def write_file(path, data):
+    # Like write_json: a missing folder is made, so every output flag takes the same paths.
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic_write_bytes(os.fspath(path), [data])
+
+
 def save_figure(fig, path):
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
-    atomic_write_bytes(os.fspath(path), [buf.getvalue()])
+    write_file(path, buf.getvalue())
     print(f"wrote {path}", file=sys.stderr)
+
+
+# The flags that name a file eval.py writes (report's --plot-x plots go beside its inputs).
+OUTPUT_FLAGS = {"json_out": "--json-out", "plot": "--plot", "heatmap": "--heatmap", "out": "--out",
+                "plot_together": "--plot-together"}
+
+
+def check_output(path, flag):
+    """Refuse an output path that cannot be written when the command line is read, not after an
+    analysis of minutes: an existing folder, a file where a folder must be, or a folder this user
+    cannot write in (missing folders are fine: they are made)."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a folder: give a file path, e.g. {os.path.join(path, 'result.json')}")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: {parent} is a file, not a folder: choose a path in a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {parent} is not writable (permissions or a read-only file system): "
+                         "choose a folder you can write in")
+
+
+# ----------------------------------------------------------------------------- memory of a request
+# Size flags (--widths, --batch-size, --num-samples, --max-rows) have no fixed upper bound: what
+# fits depends on the model and the machine. A request is estimated before anything is allocated
+# and refused past the memory that is free, instead of a 40 GB allocation failing in a traceback
+# or pushing the machine into swap. The estimates are rough upper bounds, not budgets.
+
+def free_memory(device):
+    """Bytes free on device: the GPU's free memory, else the kernel's MemAvailable (physical memory
+    where there is no /proc/meminfo)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def forward_bytes(cfg, batch, seq_len, elem=4):
+    """About the peak of one no-grad forward of batch x seq_len tokens: the (B, T, V) logits, a few
+    (B, T, width) activations and the (B, H, T, T) attention scores, which eager attention makes."""
+    width = max(cfg.d_model, cfg.d_ff, cfg.d_expert * cfg.top_k if cfg.n_experts else 0)
+    return elem * batch * seq_len * (cfg.vocab_size + 4 * width + cfg.n_head * seq_len)
+
+
+def check_memory(needs, what, fix):
+    """needs: {device: bytes}; a ValueError with the estimate, the limit and fix where one does not fit."""
+    for device, need in needs.items():
+        have = free_memory(device)
+        if need > have:
+            raise ValueError(f"{what} needs about {need / 2**30:,.1f} GiB on {device}, more than the "
+                             f"{have / 2**30:,.1f} GiB free there: {fix}")
 
 
 # ----------------------------------------------------------------------------- reading checkpoints and data
@@ -126,6 +189,8 @@ def models_and_batches(args, ckpts, label, attn_backend=None):
     max_len = min(model.cfg.max_seq_len for model in models)
     meta, seq_len, batches = val_batches(data, args.split, args.batch_size, seq_len_of(args.seq_len, info, max_len),
                                          args.tokens, args.seed, label)
+    check_memory({args.device: max(forward_bytes(m.cfg, args.batch_size, seq_len) for m in models)},
+                 f"a forward of --batch-size {args.batch_size} x {seq_len} tokens", "lower --batch-size or --seq-len")
     return models, info, meta, seq_len, batches
 
 
@@ -395,6 +460,10 @@ def run_weights(args):
         model, info = load_model(path)
         # Parameters only: buffers such as the MoE selection bias are not weights.
         last_state = dict(model.named_parameters())
+        # row_cosines and cosine_stats hold about four float64 m x m matrices, m = min(rows, --max-rows):
+        # 80 GB each for a 100k-token embedding at --max-rows 100000.
+        rows = max(min(len(w), args.max_rows) for _, w in weight_matrices(last_state))
+        check_memory({"cpu": 4 * 8 * rows ** 2}, f"the row cosines of {rows} rows", "lower --max-rows")
         rows = weight_stats(last_state, args.threshold, args.max_rows)
         series.append({"ckpt": path, "step": info.get("step"), "rows": rows, "by_kind": mean_by_kind(rows)})
     last = series[-1]
@@ -437,6 +506,24 @@ def branch_ratios(model, inputs):
 INIT_SEQ_LEN = 256  # residual --init without --seq-len
 
 
+def init_seq_len(args, cfg):
+    # Random tokens at init: no training length to follow, only the model's window.
+    return min(args.seq_len or INIT_SEQ_LEN, cfg.max_seq_len)
+
+
+def init_config(args, width):
+    try:
+        return config_for(args.size, d_model=width, mlp=args.mlp, attn_gate=args.attn_gate)
+    except ValueError as e:
+        raise ValueError(f"--widths {width} with --size {args.size}: {e}") from None
+
+
+def meta_model(cfg):
+    """GPT(cfg) without memory behind its tensors: their shapes, for an estimate."""
+    with torch.device("meta"):
+        return GPT(cfg)
+
+
 def run_residual(args):
     if not args.init:
         (model,), _, _, seq_len, batches = models_and_batches(args, [args.ckpt], "residual")
@@ -444,19 +531,29 @@ def run_residual(args):
         summary = {k: float(np.mean([r[k] for r in rows])) for k in ("attn_ratio", "mlp_ratio")}
         summary.update(split=args.split, seq_len=seq_len)
         return {"analysis": "residual", "ckpt": args.ckpt, "summary": summary, "rows": rows}
+    if len(set(args.widths)) < 2:
+        raise ValueError(f"--widths {' '.join(map(str, args.widths))}: the exponent is a slope over widths; "
+                         "give at least two different ones (e.g. --widths 64 128 256)")
+    configs = [init_config(args, width) for width in args.widths]  # every width refused before the first runs
+    largest = max(configs, key=lambda cfg: cfg.d_model)
+    sizes = [p.numel() for p in meta_model(largest).parameters()]
+    # Built and γ-initialised on the CPU (init draws each parameter whole in float32), then moved.
+    device = str(torch.device(args.device))
+    needs = {"cpu": 4 * (sum(sizes) + max(sizes))}
+    needs[device] = needs.get(device, 0) + 4 * sum(sizes) + forward_bytes(largest, args.batch_size,
+                                                                         init_seq_len(args, largest))
+    check_memory(needs, f"a model of d_model {largest.d_model} ({sum(sizes):,} parameters) and its forward",
+                 "lower --widths (or --batch-size)")
     rows = []
-    for width in progress_bar(args.widths, desc="residual@init"):
-        overrides = dict(d_model=width, mlp=args.mlp, attn_gate=args.attn_gate)
-        cfg = config_for(args.size, **overrides)
+    for cfg in progress_bar(configs, desc="residual@init"):
         model = GPT(cfg)
         init_model_(model, gamma=args.gamma, seed=args.seed)
-        # Random tokens at init: no training length to follow, only the model's window.
-        seq_len = min(args.seq_len or INIT_SEQ_LEN, cfg.max_seq_len)
+        seq_len = init_seq_len(args, cfg)
         x = torch.randint(cfg.vocab_size, (args.batch_size, seq_len), generator=torch.Generator().manual_seed(args.seed))
         layers = branch_ratios(model.to(args.device).eval(), [x])
         # Block 0 sees the embedding alone, where the d^(1−γ) law is clean; later blocks see a
         # residual already grown by earlier branches (by a width-dependent amount when γ < 1).
-        rows.append({"d_model": width, **{f"{k}_block0": layers[0][k] for k in ("attn_ratio", "mlp_ratio")},
+        rows.append({"d_model": cfg.d_model, **{f"{k}_block0": layers[0][k] for k in ("attn_ratio", "mlp_ratio")},
                      **{f"{k}_mean": float(np.mean([r[k] for r in layers])) for k in ("attn_ratio", "mlp_ratio")}})
     log_d = np.log([r["d_model"] for r in rows])
     # Theory (README): attention and gelu branches scale as d^(1−γ), SwiGLU as d^(1.5−2γ).
@@ -908,7 +1005,7 @@ def run_report(args):
         lines += [f"![{analysis}]({os.path.relpath(plot, os.path.dirname(os.path.abspath(args.out)))})"
                   for _, r in items for plot in r.get("plots", [])]
     text = "\n".join(lines) + "\n"
-    atomic_write_bytes(args.out, [text.encode()])
+    write_file(args.out, text.encode())
     print(text)
     return None
 
@@ -918,7 +1015,16 @@ def run_report(args):
 def run_sample(args):
     model, info = load_model(args.ckpt, args.device)
     encode, decode, eot_id = tokenizer_of(info, args.tokenizer_dir)
-    outs = generate(model, encode(args.prompt), args.max_new_tokens, args.num_samples, args.temperature,
+    # A model predicts each token from the ones before it, so it needs at least one. --prompt ''
+    # samples a document from its start: conditioned on end-of-text, the token before every
+    # document boundary in training.
+    prompt = encode(args.prompt) or [eot_id]
+    cfg, elem = model.cfg, model.lm_head.weight.element_size()
+    length = min(len(prompt) + args.max_new_tokens, cfg.max_seq_len)  # generate's window
+    kv_cache = 2 * elem * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * args.num_samples * length
+    check_memory({args.device: kv_cache + forward_bytes(cfg, args.num_samples, length, elem)},
+                 f"--num-samples {args.num_samples} of {length} tokens", "lower --num-samples")
+    outs = generate(model, prompt, args.max_new_tokens, args.num_samples, args.temperature,
                     args.top_k, args.seed, stop=lambda toks: toks[-1] == eot_id)
     for i, out in enumerate(outs):
         print(f"--- sample {i}\n{args.prompt}{decode([t for t in out if t != eot_id])}")
@@ -926,6 +1032,20 @@ def run_sample(args):
 
 
 # ----------------------------------------------------------------------------- command line
+
+def finite_at_least(minimum, maximum=math.inf):
+    """argparse type of a real-valued flag, like downstream.at_least for counts: float() takes 'nan'
+    and 'inf', and a nan temperature died in torch.multinomial, a negative one sampled the least
+    likely tokens, a nan threshold counted no head."""
+    def parse(text):
+        value = float(text)
+        if not (math.isfinite(value) and minimum <= value <= maximum):
+            allowed = f">= {minimum:g}" if maximum == math.inf else f"in [{minimum:g}, {maximum:g}]"
+            raise argparse.ArgumentTypeError(f"must be a finite number {allowed} (got {text})")
+        return value
+    parse.__name__ = "float"  # argparse's message for a non-number: "invalid float value: 'x'"
+    return parse
+
 
 def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -963,12 +1083,14 @@ def build_parser():
     p.add_argument("ckpt_b", help="model B, on the same tokenizer")
     p.add_argument("--buckets", type=at_least(1), default=10, help="equal-count difficulty buckets, easy to hard")
     p = command("sink", run_sink, "attention share on the first token per layer/head", data="batches")
-    p.add_argument("--threshold", type=float, default=0.3, help="sink_heads_*: the share of heads whose mean "
-                   "attention on the first token exceeds this (Gu et al. 2025's sink metric uses 0.3)")
+    p.add_argument("--threshold", type=finite_at_least(0, 1), default=0.3,
+                   help="sink_heads_*: the share of heads whose mean attention on the first token exceeds this "
+                   "(Gu et al. 2025's sink metric uses 0.3)")
     p = command("weights", run_weights, "stable rank and row cosine of every matrix", ckpt=False, plot=True,
                 runs_model=False)
     p.add_argument("ckpts", nargs="+", help="checkpoints or run folders; several -> trajectory")
-    p.add_argument("--threshold", type=float, default=0.7, help="|cos| above which a row pair counts as aligned")
+    p.add_argument("--threshold", type=finite_at_least(0, 1), default=0.7,
+                   help="|cos| above which a row pair counts as aligned")
     p.add_argument("--max-rows", type=at_least(2), default=2048,
                    help="row subsample for the cosine matrix (>= 2: cosines are between rows)")
     p.add_argument("--heatmap", help="PNG of the clustered row-cosine matrix of --heatmap-matrix")
@@ -980,7 +1102,7 @@ def build_parser():
     p.add_argument("--widths", type=at_least(1), nargs="+", default=[64, 128, 256, 512],
                    help="--init: d_model of each model")
     p.add_argument("--size", default="tiny", help="--init: the named size (model.SIZES) the widths override")
-    p.add_argument("--gamma", type=float, default=1.0, help="--init: init exponent, std = d_in^-gamma")
+    p.add_argument("--gamma", type=finite_at_least(0), default=1.0, help="--init: init exponent, std = d_in^-gamma")
     p.add_argument("--mlp", default="gelu", help="--init: swiglu or gelu")
     p.add_argument("--attn-gate", default="none", help="--init: elementwise, headwise or none")
     # The benchmarks' code and options live in downstream.py; bench is a subcommand here for the one CLI.
@@ -1012,10 +1134,11 @@ def build_parser():
                    f"{', '.join(ANCHOR_METRICS)})")
     p = command("sample", run_sample, "print continuations of a prompt", output=False)
     p.add_argument("--tokenizer-dir", help="offline tokenizer files (prepare_data.py --tokenizer-dir)")
-    p.add_argument("--prompt", default="\n", help="text the continuations start from")
+    p.add_argument("--prompt", default="\n",
+                   help="text the continuations start from ('': a document from its start, after end-of-text)")
     p.add_argument("--max-new-tokens", type=at_least(1), default=100, help="tokens per continuation, at most")
     p.add_argument("--num-samples", type=at_least(1), default=1, help="continuations to print")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--temperature", type=finite_at_least(0), default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=at_least(1), default=200, help="sample from the k most likely tokens only")
     return parser
 
@@ -1024,11 +1147,23 @@ def main(argv=None):
     torch.set_num_threads(int(os.environ.get("EVAL_THREADS", "1")))
     args = build_parser().parse_args(argv)
     try:
-        result = args.func(args)
+        return run_command(args)
     # Library functions raise; here bad input becomes one line with the fix, no traceback.
-    except (ValueError, FileNotFoundError, ImportError) as e:
+    except (ValueError, OSError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        # Every file is written whole or not at all (fileio.atomic_open removes its temporary).
+        print(f"interrupted: eval.py {args.command} stopped before it finished; nothing is half-written, "
+              "run the same command again for its results", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
+
+
+def run_command(args):
+    for dest, flag in OUTPUT_FLAGS.items():
+        if getattr(args, dest, None):
+            check_output(getattr(args, dest), flag)
+    result = args.func(args)
     if result is None:
         return None
     print(format_table([result["summary"]]))
