@@ -29,6 +29,7 @@ read_records and the anchor helpers anchor_fields, anchor_answer_kinds, anchor_a
 import argparse
 import bz2
 import codecs
+import errno
 import glob
 import gzip
 import hashlib
@@ -39,13 +40,16 @@ import math
 import multiprocessing
 import os
 import platform
+import re
 import shlex
 import shutil
+import signal
 import struct
 import sys
 import tempfile
 import time
 from collections import deque
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from itertools import chain
 
@@ -54,7 +58,7 @@ import tiktoken
 import torch
 from tqdm import tqdm
 
-from fileio import atomic_write_bytes, sha256_file
+from fileio import atomic_open, atomic_write_bytes, sha256_file
 
 FORMAT_VERSION = 1
 MAGIC = b"SITOKENS"
@@ -194,6 +198,15 @@ def npy_bytes(array):
     return buffer.getvalue()
 
 
+def write_file(path, chunks):
+    """fileio.atomic_write_bytes, whose errors name `path`: a failed write (a full disk, ulimit -f)
+    names no file, a failed mkstemp its temporary name."""
+    try:
+        atomic_write_bytes(path, chunks)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror or str(e), path) from None
+
+
 def write_shard(path, tokens, docs, mask=None):
     """tokens: uint16|uint32 array; docs: int64 (n_docs, 2) of (start, source); mask: uint8 or None.
     Returns the file's sha256 (meta.json keeps it: the data's fingerprint for resumed runs)."""
@@ -201,7 +214,7 @@ def write_shard(path, tokens, docs, mask=None):
     chunks = [header.ljust(HEADER_BYTES, b"\0"), np.ascontiguousarray(docs, np.int64).tobytes(), tokens.tobytes()]
     if mask is not None:
         chunks.append(np.ascontiguousarray(mask, np.uint8).tobytes())
-    atomic_write_bytes(path, chunks)
+    write_file(path, chunks)
     digest = hashlib.sha256()
     for chunk in chunks:
         digest.update(chunk)
@@ -296,8 +309,76 @@ def clear_outputs(out_dir):
 def write_meta(out_dir, meta, invocation):
     meta = {"format_version": FORMAT_VERSION, **meta, "command": invocation,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    atomic_write_bytes(os.path.join(out_dir, "meta.json"), [json.dumps(meta, indent=1).encode()])
+    write_file(os.path.join(out_dir, "meta.json"), [json.dumps(meta, indent=1).encode()])
     return meta
+
+
+def is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def int_list(value):
+    return isinstance(value, list) and all(is_int(v) and v >= 0 for v in value)
+
+
+# What the readers (TokenLoader, train.py, eval.py) take from a data folder's meta.json, checked
+# before use: the file may come from anywhere, and a wrong type would surface as a traceback deep
+# in the loader. Shard names must be plain names of files in the folder, never a path out of it.
+META_FIELDS = {
+    "tokenizer": (lambda v: isinstance(v, str), "a tokenizer name"),
+    "vocab_size": (lambda v: is_int(v) and v > 0, "a positive integer"),
+    "eot_id": (lambda v: is_int(v) and v >= 0, "a token id"),
+    "dtype": (lambda v: v in ("uint16", "uint32"), '"uint16" or "uint32"'),
+    "sources": (lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v), "a list of source names"),
+    "splits": (lambda v: isinstance(v, dict) and all(isinstance(i, dict) for i in v.values()),
+               "an object of split name -> split"),
+}
+SPLIT_FIELDS = {  # name -> (required, check, what it must be); every list has one entry per shard
+    "shards": (True, lambda v: isinstance(v, list) and all(isinstance(n, str) and SHARD_NAME.fullmatch(n) for n in v),
+               "a list of shard file names (NAME_000000.bin)"),
+    "shard_tokens": (True, int_list, "a list of token counts"),
+    "shard_max_id": (False, int_list, "a list of token ids"),  # folders before it was recorded lack it
+    "shard_sha256": (False, lambda v: isinstance(v, list) and all(isinstance(h, str) and len(h) == 64 for h in v),
+                     "a list of sha256 hex digests"),
+}
+SHARD_NAME = re.compile(r"[\w.-]+_[0-9]{6}\.bin")
+
+
+def meta_problem(meta):
+    """What is wrong with a parsed data meta.json, or None."""
+    if not isinstance(meta, dict):
+        return f"it holds a JSON {type(meta).__name__}, not an object"
+    if meta.get("format_version") != FORMAT_VERSION:
+        return f"format version {meta.get('format_version')}, this code reads {FORMAT_VERSION}"
+    for key, (check, what) in META_FIELDS.items():
+        if key not in meta:
+            return f"no {key!r}"
+        if not check(meta[key]):
+            return f"{key!r} is {json.dumps(meta[key])[:40]}, not {what}"
+    if "record_len" in meta and not (is_int(meta["record_len"]) and meta["record_len"] >= 2):
+        return f"'record_len' is {json.dumps(meta['record_len'])[:40]}, not a record length (>= 2)"
+    for split, info in meta["splits"].items():
+        for key, (required, check, what) in SPLIT_FIELDS.items():
+            if key not in info and not required:
+                continue
+            if key not in info:
+                return f"split {split!r} has no {key!r}"
+            if not check(info[key]):
+                return f"{key!r} of split {split!r} is {json.dumps(info[key])[:40]}, not {what}"
+            if len(info[key]) != len(info["shards"]):
+                return f"split {split!r} has {len(info['shards'])} shards but {len(info[key])} {key!r}"
+    return None
+
+
+def read_meta(path):
+    """(meta, None), or (None, what is wrong with the file)."""
+    try:
+        with open(path, "rb") as f:
+            meta = json.load(f)
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, or nested past the parser's depth
+        return None, f"not JSON ({type(e).__name__}: {str(e)[:60]})"
+    problem = meta_problem(meta)
+    return (None, problem) if problem else (meta, None)
 
 
 def load_meta(data_dir):
@@ -305,11 +386,10 @@ def load_meta(data_dir):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: {data_dir} is not a prepared data folder or its "
                                 f"preparation did not finish; run prepare_data.py")
-    with open(path) as f:
-        meta = json.load(f)
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: format version {meta.get('format_version')}, this code reads "
-                         f"{FORMAT_VERSION}; re-run prepare_data.py")
+    meta, problem = read_meta(path)
+    if problem:
+        raise ValueError(f"{path} is not a data folder's meta.json: {problem}; re-run prepare_data.py "
+                         f"for {data_dir} (or pass another data folder)")
     return meta
 
 
@@ -527,8 +607,8 @@ def parse_source(spec):
         except ValueError:
             raise ValueError(f"bad --source {spec!r}: {key}={value!r} is not a number") from None
     # max_tokens=0 would read as "no cap", a weight of 0 or nan as a share of nothing
-    if kwargs.get("max_tokens", 1) < 1:
-        raise ValueError(f"bad --source {spec!r}: max_tokens must be >= 1 (leave it out for no cap)")
+    if kwargs.get("max_tokens", MIN_BUDGET) < MIN_BUDGET:
+        raise ValueError(f"bad --source {spec!r}: max_tokens must be >= {MIN_BUDGET} (leave it out for no cap)")
     if not 0 < kwargs.get("weight", 1) < math.inf:
         raise ValueError(f"bad --source {spec!r}: weight must be a positive number (a share of the mixture)")
     if kwargs.get("sample_by", "paragraph") not in ("paragraph", "document", "line"):
@@ -583,10 +663,15 @@ def glob_source(source, folder, files):
     the source's other options: the fix for a folder whose split inference drops files."""
     suffixes = {data_suffix(f) for f in files}
     tail = suffixes.pop() if len(suffixes) == 1 else {"text": ".txt*", "json": ".json*"}.get(file_builder(files[0]), ".parquet")
-    defaults = Source(source.name, source.path)
-    options = [f"{k}={v}" for k, v in asdict(source).items()
-               if k not in ("name", "path", "config", "split") and v != getattr(defaults, k)]
+    options = source_options(source, skip=("config", "split"))
     return "--source " + shlex.quote(",".join([f"{source.name}={os.path.join(folder, '**', '*' + tail)}", *options]))
+
+
+def source_options(source, skip=()):
+    """The key=value options of a --source that differ from their defaults."""
+    defaults = Source(source.name, source.path)
+    return [f"{k}={v}" for k, v in asdict(source).items()
+            if k not in ("name", "path", *skip) and v != getattr(defaults, k)]
 
 
 def readme_configs(folder):
@@ -629,21 +714,23 @@ def config_files(config, folder):
 def check_folder_split(source, folder, builder, split, data):
     """Name every data file of the folder that is not read, and how to read it: in a warning, or
     in the error when datasets' split inference left no `split` at all."""
+    # datasets resolves the folder's symlinks (a macOS temp dir, a linked corpus), our listing
+    # keeps the path as given: compare real paths, or every file reads as not read
     splits = builder.config.data_files or {}
     if readme_configs(folder) is not None:  # the card declares the splits: only files in none of them are news
-        used = {os.path.abspath(f) for c in builder.builder_configs.values() for f in config_files(c, folder)}
-        unread = [f for f in data if os.path.abspath(f) not in used]
+        used = {os.path.realpath(f) for c in builder.builder_configs.values() for f in config_files(c, folder)}
+        unread = [f for f in data if os.path.realpath(f) not in used]
         if unread and split in splits:
             print(f"warning: source {source.name}: {len(unread)} data files in {folder} are in no config of its "
                   f"README.md and are not read: {', '.join(unread)}; to read them, give them a --source of their "
                   f"own", file=sys.stderr)
         return
-    where = {os.path.abspath(f): str(s) for s, fs in splits.items() for f in fs}
-    unread = [f for f in data if where.get(os.path.abspath(f)) != split]
+    where = {os.path.realpath(f): str(s) for s, fs in splits.items() for f in fs}
+    unread = [f for f in data if where.get(os.path.realpath(f)) != split]
     if not unread or split not in splits and split != "train":  # a split asked for by name: the plain error
         return
-    named = ", ".join(f + (f" (split {where[os.path.abspath(f)]!r})" if os.path.abspath(f) in where else " (no split)")
-                      for f in unread)
+    named = ", ".join(f + (f" (split {where[real]!r})" if real in where else " (no split)")
+                      for f in unread for real in [os.path.realpath(f)])
     message = (f"source {source.name}: datasets splits {folder} by file names ({', '.join(map(str, splits))}) and "
                f"{'reads split' if split in splits else 'finds no split'} {split!r}, so {len(unread)} of its "
                f"{len(data)} data files are not read: {named}; to read every file, pass a glob: "
@@ -856,6 +943,9 @@ _worker_enc = None
 
 def init_worker(tokenizer, tokenizer_dir):
     global _worker_enc
+    # Ctrl-C reaches the whole process group: the main process stops the pool and says one line;
+    # workers that took it too would each print a traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_enc = get_tokenizer(tokenizer, tokenizer_dir)
 
 
@@ -933,27 +1023,27 @@ def tokenize_source(source, pool, workers, cache_dir, dtype, fingerprint):
         os.remove(done)
     cap = fingerprint["cap"]
     lengths, count, first = [], 0, None  # first: (time, tokens) at the first result
-    tmp = tokens_path + ".tmp"
     texts = iter_texts(source)
-    # a bar when the token budget is known (a stream has no length), else a counter
-    with open(tmp, "wb") as raw, progress_bar(total=cap, desc=f"tokenizing {source.name}", unit="tok",
-                                              unit_scale=True) as bar:
+    # a bar when the token budget is known (a stream has no length), else a counter; atomic_open
+    # fsyncs before the rename, so the file is on disk before the done marker can vouch for it
+    with atomic_open(tokens_path) as raw, progress_bar(total=cap, desc=f"tokenizing {source.name}", unit="tok",
+                                                       unit_scale=True) as bar:
         for tokens, lens in parallel_map(pool, encode_documents, chunk_texts(texts, 1 << 18), workers):
-            raw.write(tokens.tobytes())
+            try:
+                raw.write(tokens.tobytes())
+            except OSError as e:  # names no file: name the one the user knows
+                raise OSError(e.errno, e.strerror, tokens_path) from None
             lengths.append(lens)
             count += len(tokens)
             bar.update(len(tokens) if cap is None else min(len(tokens), cap - bar.n))  # the last read overshoots
             first = first or (time.time(), count)
             if cap is not None and count >= cap:
                 break
-        raw.flush()
-        os.fsync(raw.fileno())  # on disk before the done marker (fsynced) can vouch for it
-    lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-    if not len(lengths):
-        raise ValueError(f"source {source.name} ({source.path}) has no non-empty documents")
-    os.replace(tmp, tokens_path)
-    atomic_write_bytes(lengths_path, [npy_bytes(lengths)])
-    atomic_write_bytes(done, [json.dumps(fingerprint).encode()])
+        if not lengths:  # raised inside: atomic_open then leaves no file
+            raise ValueError(f"source {source.name} ({source.path}) has no non-empty documents")
+    lengths = np.concatenate(lengths)
+    write_file(lengths_path, [npy_bytes(lengths)])
+    write_file(done, [json.dumps(fingerprint).encode()])
     # The steady rate counts from the first result on: start-up (imports, worker start, opening
     # the dataset) is a fixed cost that the pipeline's throughput at scale does not pay per token.
     return np.memmap(tokens_path, dtype, "r"), lengths, (count - first[1], time.time() - first[0])
@@ -1023,6 +1113,73 @@ def write_text_split(out_dir, split, docs, caches, eot, dtype, shard_tokens, rng
     return writer.close()
 
 
+# the command-line flag of each recorded setting, for naming what differs
+SETTING_FLAGS = {"sources": "--source", "tokenizer": "--tokenizer", "max_tokens": "--max-tokens",
+                 "val_fraction": "--val-fraction", "seed": "--seed", "shard_tokens": "--shard-tokens"}
+
+
+def recorded_sources(value):
+    """A folder's recorded sources as asdict(Source) rows, options added since then at their
+    defaults (which read as before), so an older folder of the same sources compares equal;
+    None when they are not rows with a name and a path."""
+    try:
+        return [asdict(Source(**{k: v for k, v in row.items() if k in Source.__dataclass_fields__})) for row in value]
+    except (TypeError, AttributeError):
+        return None
+
+
+def setting_text(key, value):
+    if key == "sources" and recorded_sources(value) is not None:
+        return " ".join(",".join([f"{v['name']}={v['path']}", *source_options(Source(**v))])
+                        for v in recorded_sources(value))
+    return "none" if value is None else str(value)
+
+
+def setting_changes(was, now):
+    """'FLAG OLD -> NEW' for each setting that a folder's recorded `was` (from its meta.json, so
+    anything) has otherwise than `now`."""
+    was = dict(was) if isinstance(was, dict) else {}
+    if recorded_sources(was.get("sources")) is not None:
+        was["sources"] = recorded_sources(was["sources"])
+    changes = []
+    for key, flag in SETTING_FLAGS.items():
+        if key not in was or was[key] != now[key]:
+            old = setting_text(key, was[key]) if key in was else "(not recorded)"
+            changes.append(f"{flag} {old} -> {setting_text(key, now[key])}")
+    return changes
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, with the one line that says what it left: prepare_data.py prints it and exits 130."""
+
+
+@contextmanager
+def building(out_dir):
+    """A (re)build of out_dir: the old meta.json and shards go first. On a failure or Ctrl-C the
+    shards written so far go too (a folder without meta.json is never read, and the rerun writes
+    them again), and the folder when this build made it and nothing is left in it; complete token
+    caches stay for the rerun to reuse. Ctrl-C becomes Interrupted, saying that."""
+    created = not os.path.isdir(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    try:
+        clear_outputs(out_dir)
+        yield
+    except BaseException as e:
+        cache = os.path.join(out_dir, "tokenize_cache")
+        with suppress(OSError):  # the failure may be the disk's: clean what can be, report the first error
+            clear_outputs(out_dir)
+            for folder in (cache, out_dir) if created else (cache,):
+                with suppress(OSError):
+                    os.rmdir(folder)  # only when empty
+        if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
+            kept = sorted(f[:-len(".done.json")] for f in os.listdir(cache) if f.endswith(".done.json")) \
+                if os.path.isdir(cache) else []
+            line = f"interrupted; {out_dir} is not prepared: the same command " + (
+                f"resumes, reusing the tokens of {', '.join(kept)}" if kept else "starts over")
+            raise Interrupted(line) from None
+        raise
+
+
 def prepare_text(args):
     sources = [parse_source(s) for s in args.source]
     names = [s.name for s in sources]
@@ -1035,21 +1192,32 @@ def prepare_text(args):
     settings = {"sources": [asdict(s) for s in sources], "tokenizer": args.tokenizer, "max_tokens": args.max_tokens,
                 "val_fraction": args.val_fraction, "seed": args.seed, "shard_tokens": args.shard_tokens}
     files = {s.name: source_file_stats(s) for s in sources}  # before any read: a file changed during it is caught next time
-    os.makedirs(args.out, exist_ok=True)
     if os.path.exists(os.path.join(args.out, "meta.json")) and not args.force:
-        meta = load_meta(args.out)
-        if meta.get("settings") == settings:
-            changes = file_changes(meta["source_files"], files) if "source_files" in meta else []
-            if not changes:
-                unrecorded = "" if "source_files" in meta else "; its source files were not recorded, so not compared"
-                print(f"{args.out} is already prepared with these settings (--force rebuilds it{unrecorded})")
-                return meta
-            if not args.keep_stale:
-                raise ValueError(f"{args.out} was prepared from other source files: {one_change(changes)}; "
-                                 f"--force rebuilds it from the files there now, --keep-stale keeps the old data")
-            print(f"{args.out}: keeping the data prepared before {one_change(changes)} (--keep-stale)")
+        meta, problem = read_meta(os.path.join(args.out, "meta.json"))
+        if problem:
+            raise ValueError(f"{os.path.join(args.out, 'meta.json')} is not a data folder's meta.json: {problem}; "
+                             f"--force rebuilds {args.out} (dropping that file), or pass another --out")
+        # Other settings would replace the data that runs trained on it are fingerprinted with
+        # (their resume then fails, and eval.py scores them on other data): refuse, naming them.
+        changed = setting_changes(meta.get("settings"), settings)
+        if changed:
+            raise ValueError(f"{args.out} was prepared with other settings: {'; '.join(changed)}; --force "
+                             f"replaces its data with these, or pass another --out")
+        changes = file_changes(meta["source_files"], files) if "source_files" in meta else []
+        if not changes:
+            unrecorded = "" if "source_files" in meta else "; its source files were not recorded, so not compared"
+            print(f"{args.out} is already prepared with these settings (--force rebuilds it{unrecorded})")
             return meta
-    clear_outputs(args.out)
+        if not args.keep_stale:
+            raise ValueError(f"{args.out} was prepared from other source files: {one_change(changes)}; "
+                             f"--force rebuilds it from the files there now, --keep-stale keeps the old data")
+        print(f"{args.out}: keeping the data prepared before {one_change(changes)} (--keep-stale)")
+        return meta
+    with building(args.out):
+        return build_text(args, sources, names, enc, settings, files)
+
+
+def build_text(args, sources, names, enc, settings, files):
     start = time.time()
 
     # 1) tokenize each source into a cache (complete caches of an interrupted run are reused)
@@ -1225,25 +1393,26 @@ def prepare_anchor(task, out_dir, invocation):
     record_len = task.seq_len + 1
     mask = np.zeros(record_len, np.uint8)
     mask[-1] = 1
-    os.makedirs(out_dir, exist_ok=True)
-    clear_outputs(out_dir)
-    splits = {}
-    for split, n, split_keys, pairs in [("train", task.n_train, train_keys, seen), ("val", task.n_eval, train_keys, seen),
-                                        ("test", task.n_eval, test_keys, seen), ("heldout", task.n_eval, keys, held)]:
-        records, sources = anchor_records(task, n, split_keys, pairs, rng)
-        writer = ShardWriter(out_dir, split, np.uint16, record_len * 1_000_000, with_mask=True)
-        for record, source in zip(records.astype(np.uint16), sources.tolist()):
-            writer.add(record, source, mask)
-        splits[split] = {**writer.close(), "records": n, "pair_counts": np.bincount(sources, minlength=len(PAIRS)).tolist()}
-    meta = write_meta(out_dir, {
-        "tokenizer": "anchor", "vocab_size": vocab_size, "eot_id": eot_id, "dtype": "uint16",
-        "sources": [f"pair_{a}_{b}" for a, b in PAIRS.tolist()], "record_len": record_len, "splits": splits,
-        "anchor": {**asdict(task), "shifts": ANCHOR_SHIFTS, "train_keys": train_keys.tolist(),
-                   "test_keys": test_keys.tolist()},
-    }, invocation)
-    print(f"anchor task in {out_dir}: " + ", ".join(f"{k} {v['records']:,}" for k, v in splits.items())
-          + f" records of {record_len} tokens, vocab {vocab_size}")
-    return meta
+    with building(out_dir):
+        splits = {}
+        for split, n, split_keys, pairs in [("train", task.n_train, train_keys, seen),
+                                            ("val", task.n_eval, train_keys, seen),
+                                            ("test", task.n_eval, test_keys, seen), ("heldout", task.n_eval, keys, held)]:
+            records, sources = anchor_records(task, n, split_keys, pairs, rng)
+            writer = ShardWriter(out_dir, split, np.uint16, record_len * 1_000_000, with_mask=True)
+            for record, source in zip(records.astype(np.uint16), sources.tolist()):
+                writer.add(record, source, mask)
+            splits[split] = {**writer.close(), "records": n,
+                             "pair_counts": np.bincount(sources, minlength=len(PAIRS)).tolist()}
+        meta = write_meta(out_dir, {
+            "tokenizer": "anchor", "vocab_size": vocab_size, "eot_id": eot_id, "dtype": "uint16",
+            "sources": [f"pair_{a}_{b}" for a, b in PAIRS.tolist()], "record_len": record_len, "splits": splits,
+            "anchor": {**asdict(task), "shifts": ANCHOR_SHIFTS, "train_keys": train_keys.tolist(),
+                       "test_keys": test_keys.tolist()},
+        }, invocation)
+        print(f"anchor task in {out_dir}: " + ", ".join(f"{k} {v['records']:,}" for k, v in splits.items())
+              + f" records of {record_len} tokens, vocab {vocab_size}")
+        return meta
 
 
 def anchor_fields(records):
@@ -1319,6 +1488,16 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
+# Floors of the size flags: each one stops a value that only a typo gives. A shard costs a file,
+# an fsync, a 64-byte header, and in the loader an open memory map (a file descriptor) with a
+# tail shorter than a window that is never trained on; 2^16 tokens (128 KB) keeps those costs
+# small (a 2048-token window wastes at most 3%), where --shard-tokens 1 wrote a file per token.
+# A token budget under 1K is a dropped suffix (--max-tokens 2 for 2B wrote an empty folder: every
+# share rounded to 0 tokens); quick checks use 2K and up.
+MIN_SHARD_TOKENS = 1 << 16
+MIN_BUDGET = 1000
+
+
 def add_text_arguments(p):
     p.add_argument("--source", action="append", required=True, metavar="NAME=PATH[,key=value...]",
                    help="a text source, repeatable. PATH: file, folder (hub layout or save_to_disk), glob or "
@@ -1331,7 +1510,7 @@ def add_text_arguments(p):
     # None: tiktoken downloads (or finds its cache); offline clusters point this at the published files
     p.add_argument("--tokenizer-dir", help="folder with the published tokenizer files (sha256 checked)")
     # None: take all local data the weights allow; hub sources need a budget
-    p.add_argument("--max-tokens", type=at_least(1, parse_count),
+    p.add_argument("--max-tokens", type=at_least(MIN_BUDGET, parse_count),
                    help="total token budget of the mixture (e.g. 500M, 2B)")
     # 2%: a stable val loss on a few-MB corpus; lower it for large corpora
     p.add_argument("--val-fraction", type=fraction, default=0.02,
@@ -1340,8 +1519,31 @@ def add_text_arguments(p):
     # one tokenizer process per usable core: tokenization is CPU-bound
     p.add_argument("--workers", type=at_least(1), default=usable_cores(), help="tokenizer processes")
     # 100M tokens (200 MB as uint16): few files, each cheap to map, as in nanoGPT/llm.c FineWeb shards
-    p.add_argument("--shard-tokens", type=at_least(1, parse_count), default=100_000_000,
+    p.add_argument("--shard-tokens", type=at_least(MIN_SHARD_TOKENS, parse_count), default=100_000_000,
                    help="tokens per shard file")
+
+
+# What to do when writing in the output folder fails, by errno (a write that fails names no file)
+WRITE_FIXES = {
+    errno.EACCES: "make it writable or pass another --out",
+    errno.EPERM: "make it writable or pass another --out",
+    errno.EROFS: "pass an --out on a writable file system",
+    errno.ENOSPC: "free space or pass an --out on another disk",
+    errno.EDQUOT: "free space within the quota or pass an --out on another disk",
+    errno.EFBIG: "the file-size limit (ulimit -f) is below the file: raise it (ulimit -f unlimited)",
+    errno.ENOTDIR: "a folder of the path is a file: pass another --out",
+    errno.EEXIST: "it is a file: pass a folder as --out",
+}
+
+
+def os_error_line(e, out):
+    """One line for an OSError: writing in the output folder names the file and the fix, others
+    the file and what the system said."""
+    inside = out is not None and (e.filename is None or os.path.commonpath(
+        [os.path.realpath(e.filename), os.path.realpath(out)]) == os.path.realpath(out))
+    if inside and e.errno in WRITE_FIXES:
+        return f"cannot write {e.filename or out} ({e.strerror}): {WRITE_FIXES[e.errno]}"
+    return f"{e.filename}: {e.strerror}" if e.filename else str(e)
 
 
 def main(argv=None):
@@ -1352,7 +1554,8 @@ def main(argv=None):
     p = commands.add_parser("text", help="tokenize text sources into shards")
     add_text_arguments(p)
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--force", action="store_true", help="rebuild even if the folder is complete with these settings")
+    p.add_argument("--force", action="store_true",
+                   help="rebuild a complete folder: the same settings again, or replace data prepared with others")
     p.add_argument("--keep-stale", action="store_true",
                    help="keep a complete folder whose source files changed since it was prepared (default: refuse)")
 
@@ -1387,7 +1590,17 @@ def main(argv=None):
             prepare_anchor(AnchorTask(**fields), args.out, args.invocation)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
+    except OSError as e:
+        raise SystemExit(f"error: {os_error_line(e, getattr(args, 'out', None))}") from None
+    except KeyboardInterrupt as e:
+        if isinstance(e, Interrupted):
+            raise
+        raise Interrupted("interrupted before anything was written") from None  # loading the tokenizer, ...
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Interrupted as e:  # Ctrl-C: one line (no traceback), and the shell's code for SIGINT
+        print(e, file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)

@@ -115,8 +115,15 @@ def test_offline_tokenizer_from_kit_and_tampered_copy(tmp_path):
 
 # ---------------------------------------------------------------- shards and meta
 
+SMALL_SHARDS = 100  # --shard-tokens' floor (2^16) is for real corpora: a test corpus spans shards below it
 
-def test_round_trip_text_to_loader(tmp_path):
+
+@pytest.fixture
+def small_shards(monkeypatch):
+    monkeypatch.setattr(P, "MIN_SHARD_TOKENS", SMALL_SHARDS)
+
+
+def test_round_trip_text_to_loader(tmp_path, small_shards):
     docs = random_docs(40, "abcdefgh ijklmn\n", seed=0) + ["ünïcödé 世界"]
     meta = prepare(tmp_path / "out", f"a={write_jsonl(tmp_path / 'a.jsonl', docs)}", val_fraction=0, shard_tokens=500)
     assert (meta["tokenizer"], meta["vocab_size"], meta["eot_id"], meta["dtype"]) == ("bytes", 257, 256, "uint16")
@@ -559,7 +566,7 @@ def test_no_val_split_warning_says_what_would_help(tmp_path, capsys):
 # ---------------------------------------------------------------- crash safety
 
 
-def test_interrupted_run_is_refused_then_resumes(tmp_path, monkeypatch, capsys):
+def test_interrupted_run_is_refused_then_resumes(tmp_path, monkeypatch, capsys, small_shards):
     src = f"a={write_jsonl(tmp_path / 'a.jsonl', random_docs(100, 'abcdefgh', seed=5))}"
     reference = prepare(tmp_path / "ref", src, shard_tokens=1000)
     out = tmp_path / "out"
@@ -578,7 +585,7 @@ def test_interrupted_run_is_refused_then_resumes(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(P, "write_shard", crash_on_third)
     with pytest.raises(KeyboardInterrupt):
-        prepare(out, src, shard_tokens=1000)
+        prepare(out, src, shard_tokens=1000, force=True)  # other settings than the folder's: --force
     monkeypatch.setattr(P, "write_shard", real)
     # nothing a reader would take: the old meta is gone, the half shard has no final name
     with pytest.raises(FileNotFoundError, match="did not finish"):
@@ -599,17 +606,17 @@ def test_interrupted_run_is_refused_then_resumes(tmp_path, monkeypatch, capsys):
 
 def test_truncated_tokenize_cache_is_not_trusted(tmp_path, monkeypatch, capsys):
     src = f"a={write_jsonl(tmp_path / 'a.jsonl', random_docs(100, 'abcdefgh', seed=5))}"
-    reference = prepare(tmp_path / "ref", src, shard_tokens=1000)
+    reference = prepare(tmp_path / "ref", src)
     out = tmp_path / "out"
     monkeypatch.setattr(P, "write_shard", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):  # dies after tokenizing: the cache and its marker exist
-        prepare(out, src, shard_tokens=1000)
+        prepare(out, src)
     monkeypatch.undo()
     cached = out / "tokenize_cache" / "a.tokens.bin"
     with open(cached, "r+b") as f:  # the marker says done, the bytes say otherwise
         f.truncate(100)
     capsys.readouterr()
-    meta = prepare(out, src, shard_tokens=1000)
+    meta = prepare(out, src)
     assert "incomplete, tokenizing again" in capsys.readouterr().err
     assert meta["splits"] == reference["splits"]  # every shard's name, token count and sha256, both splits
     for split in ("train", "val"):
@@ -642,19 +649,19 @@ def test_token_cache_of_changed_source_files_is_not_reused(tmp_path, monkeypatch
     out = tmp_path / "out"
     monkeypatch.setattr(P, "write_shard", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):  # dies after tokenizing: the cache and its marker exist
-        prepare(out, src, shard_tokens=1000)
+        prepare(out, src)
     monkeypatch.undo()
     assert (out / "tokenize_cache" / "a.done.json").exists()
     new = same_docs_rot13(old) if same_size else random_docs(80, "stuvwxyz", seed=6)
     replace_corpus(tmp_path / "corpus", new, same_size_as=old if same_size else None)
     capsys.readouterr()
-    meta = prepare(out, src, shard_tokens=1000)
+    meta = prepare(out, src)
     err = capsys.readouterr().err
     assert "reusing tokens" not in err
     change = "was modified (same size, new mtime)" if same_size else "changed size"
     assert f"a: {tmp_path / 'corpus' / 'docs.jsonl'} {change}" in err and "since the interrupted run, tokenizing again" in err
     assert sorted(decoded_docs(out, "train") + decoded_docs(out, "val")) == sorted(new)
-    reference = prepare(tmp_path / "ref", src, shard_tokens=1000)
+    reference = prepare(tmp_path / "ref", src)
     assert meta["splits"] == reference["splits"]
 
 
@@ -713,7 +720,9 @@ def text_dir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("text")
     rng = np.random.default_rng(0)  # random bytes: every window's contents are unique
     docs = ["".join(chr(c) for c in rng.integers(33, 127, size=rng.integers(50, 400))) for _ in range(60)]
-    prepare(tmp / "out", f"a={write_jsonl(tmp / 'a.jsonl', docs)}", val_fraction=0, shard_tokens=3000)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(P, "MIN_SHARD_TOKENS", SMALL_SHARDS)
+        prepare(tmp / "out", f"a={write_jsonl(tmp / 'a.jsonl', docs)}", val_fraction=0, shard_tokens=3000)
     return str(tmp / "out")
 
 
@@ -888,14 +897,14 @@ def test_bench_command_runs_and_reports(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--shard-tokens", "0"], "argument --shard-tokens: got 0, need 1 or more"),  # looped forever before
-    (["--max-tokens", "0.4"], "argument --max-tokens: got 0.4, need 1 or more"),
+    (["--shard-tokens", "0"], "argument --shard-tokens: got 0, need 65536 or more"),  # looped forever before
+    (["--max-tokens", "0.4"], "argument --max-tokens: got 0.4, need 1000 or more"),
     (["--max-tokens", "inf"], "argument --max-tokens: bad token count 'inf'"),
     (["--workers", "0"], "argument --workers: got 0, need 1 or more"),
     (["--val-fraction", "1"], "argument --val-fraction: '1' is not a fraction in [0, 1)"),
     (["--val-fraction", "-0.1"], "argument --val-fraction: '-0.1' is not a fraction in [0, 1)"),
     (["--seed", "-1"], "argument --seed: got -1, need 0 or more"),
-    (["--source", "b=none.txt,max_tokens=0"], "max_tokens must be >= 1"),  # 0 read as "no cap" before
+    (["--source", "b=none.txt,max_tokens=0"], "max_tokens must be >= 1000"),  # 0 read as "no cap" before
     (["--source", "b=none.txt,weight=0"], "weight must be a positive number"),
     (["--source", "b=none.txt,weight=nan"], "weight must be a positive number"),
 ])
