@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from init import gamma_init_
-from model import GPT, SIZES, GPTConfig, init_model_
+from model import GPT, SIZES, GPTConfig, chunked_cross_entropy, init_model_
 from fileio import atomic_write_bytes
 
 
@@ -69,13 +69,17 @@ class PlainGPT(nn.Module):
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         self.n_layer, self.d_model = n_layer, d_model
 
-    def forward(self, idx, targets):
+    def forward(self, idx, targets=None):
         x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
         for block in self.layers:
             x = block(x)
-        logits = self.lm_head(self.norm(x))
-        # fp32 loss over the logits, as GPT.forward computes it.
-        return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        h = self.norm(x)
+        if targets is None:
+            return self.lm_head(h), None
+        # GPT.forward's loss tail (chunked, no logits), so that the ratio to this yardstick
+        # measures the recipe and not the loss.
+        loss = chunked_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten())
+        return None, loss / (targets != -1).sum().clamp(min=1)
 
     def num_params(self):
         n = sum(p.numel() for p in self.parameters())
@@ -370,6 +374,54 @@ def format_rows(rows):
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- loss memory
+
+def _added_peak(tail, vocab, batch, seq_len, d_model, chunk_elements):
+    """Bytes of host memory one forward+backward of a 1-layer GPT adds at its peak (this
+    process's peak RSS minus its RSS before the step: call in a fresh process). tail: "full"
+    (fp32 cross-entropy over the whole logits, as GPT.forward computed it before the chunked
+    loss) or "chunked" (GPT.forward's own loss)."""
+    import model as model_module
+    model_module.LOSS_CHUNK_ELEMENTS = chunk_elements or model_module.LOSS_CHUNK_ELEMENTS
+    torch.manual_seed(0)
+    net = GPT(GPTConfig(vocab_size=vocab, n_layer=1, n_head=1, d_model=d_model, max_seq_len=seq_len)).train()
+    idx, targets = torch.randint(vocab, (2, batch, seq_len))
+    before = _status_kib("VmRSS")
+    if tail == "full":
+        logits, _ = net(idx)
+        loss = F.cross_entropy(logits.float().view(-1, vocab), targets.view(-1), ignore_index=-1)
+    else:
+        _, loss = net(idx, targets)
+    loss.backward()
+    return (_status_kib("VmHWM") - before) * 1024
+
+
+def _status_kib(field):
+    # VmHWM (peak RSS) rather than ru_maxrss: the latter survives exec, so a child forked from a
+    # large process (a test run) would start at its parent's size.
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(field + ":")).split()[1])
+
+
+def loss_memory(vocab=100352, batch=8, seq_len=512, d_model=64, chunk_elements=0):
+    """{"full", "chunked": peak bytes a training step's loss tail adds (_added_peak, each in a
+    fresh process on one thread), "fp32_logits": bytes of the fp32 logits}. Linux only (reads
+    /proc)."""
+    import subprocess
+    out = {}
+    for tail in ("full", "chunked"):
+        code = (f"import bench; print(bench._added_peak({tail!r}, {vocab}, {batch}, {seq_len}, {d_model}, "
+                f"{chunk_elements}))")
+        # A fixed mmap threshold: glibc would otherwise raise it as blocks are freed and keep
+        # later ones of up to 32 MB in its heap, which makes the peak drift by tens of MB.
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+        proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(__file__)),
+                              env=env, capture_output=True, text=True, check=True)
+        out[tail] = int(proc.stdout.split()[-1])
+    out["fp32_logits"] = 4 * vocab * batch * seq_len
+    return out
+
+
 # ----------------------------------------------------------------------------- plan
 
 # init.py draws every value on the CPU, one generator per parameter: ~20-40 ns a value on this
@@ -418,11 +470,20 @@ def parse_args(argv):
     p.add_argument("--seq-len", type=int, help="tokens per sequence, for every group")
     p.add_argument("--json-out", help="write the rows and the setup as JSON")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimated time; build nothing")
+    p.add_argument("--loss-memory", action="store_true",
+                   help="instead: peak memory a 1-layer d64 model's step adds, full vs chunked loss (CPU, Linux)")
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.loss_memory:
+        mem = loss_memory(batch=args.batch or 8, seq_len=args.seq_len or 512)
+        print(f"peak memory added by forward+backward, vocab 100,352, {args.batch or 8} x {args.seq_len or 512} "
+              f"tokens: fp32 logits {mem['fp32_logits'] / 2**30:.2f} GiB")
+        for tail in ("full", "chunked"):
+            print(f"  {tail:<8} {mem[tail] / 2**30:6.2f} GiB = {mem[tail] / mem['fp32_logits']:.2f}x the fp32 logits")
+        return
     suite = SUITES[args.suite]
     steps, repeats, warmup = (suite.steps if args.steps is None else args.steps,
                               suite.repeats if args.repeats is None else args.repeats,

@@ -39,7 +39,8 @@ from checkpoint import (WRITE_LIMITS, Metrics, RunDirError, complete_checkpoints
 from configurator import configure, settings_help, unknown_key
 from fileio import read_json, write_json
 from init import check_overrides, format_report
-from model import ATTN_BACKENDS, GPT, config_for, cosine_stats, init_model_, row_cosines, stable_rank
+from model import (ATTN_BACKENDS, GPT, config_for, cosine_stats, init_model_, loss_tail_bytes, row_cosines,
+                   stable_rank)
 from prepare_data import TokenLoader, check_model_vocab, check_token_ids, cpu_name, data_fingerprint
 
 # ----------------------------------------------------------------------------- defaults
@@ -347,8 +348,8 @@ def memory_estimate(net, mcfg, cfg, world, accum):
         "activations": tokens * mcfg.d_model * (
             act * mcfg.n_layer + (34 if compiled else 61) if mcfg.activation_checkpointing
             else (34 if compiled else 61) * mcfg.n_layer),
-        # bf16 logits, their fp32 copy for the loss, and fp32 softmax + gradient in its backward
-        "logits (+fp32 loss copy, grads)": tokens * mcfg.vocab_size * (act + 4 + 4 + 4),
+        # The chunked loss: one chunk of logits at a time, and its saved gradients (model.py)
+        "loss (chunked logits, saved grads)": loss_tail_bytes(tokens, mcfg.d_model, mcfg.vocab_size, act),
     }
     if accum > 1:  # with sync off FSDP2 keeps unsharded fp32 gradients between micro-steps
         parts["unsharded grads (accumulation)"] = 4 * n

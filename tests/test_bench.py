@@ -137,8 +137,8 @@ def test_plain_gpt_is_a_causal_language_model():
     idx = torch.randint(50, (2, 12), generator=torch.Generator().manual_seed(0))
     changed = idx.clone()
     changed[:, 7] = (idx[:, 7] + 1) % 50
-    logits, loss = model(idx, idx)
-    logits2, _ = model(changed, idx)
+    (logits, _), (_, loss) = model(idx), model(idx, idx)
+    logits2, _ = model(changed)
     assert torch.equal(logits[:, :7], logits2[:, :7])            # the past does not see the future
     assert not torch.allclose(logits[:, 7:], logits2[:, 7:])     # the token and later ones do
     by_hand = -torch.log_softmax(logits.double(), -1).gather(-1, idx[..., None]).mean()
