@@ -118,7 +118,7 @@ print(" ".join(f"{n}={statistics.mean(v)!r}" for n, v in sorted(by_n.items())))
 PY
 }
 
-ALL="data lr settings layernorm gamma analyses budget wd scale moe lr_width lr_fine gamma_fine settings_fine confirm report confirm_report eps_regime eps_regime_report eps_claim1 scale_wide"
+ALL="data lr settings layernorm gamma analyses budget wd scale moe lr_width lr_fine gamma_fine settings_fine confirm report confirm_report eps_regime eps_regime_report eps_claim1 scale_wide confirm_wide scale_wide_report"
 # The confirmation runs of results/confirm.md: seeds never run in the exploration, every setting
 # fixed there (the lrs are typed, not re-chosen by best_lr), in the order the claims are listed.
 CONFIRM_SEEDS=100,101,102,103,104,105
@@ -282,6 +282,23 @@ scale_wide)
         done
         $SWEEP --name scale_wide --seeds 1,2 "${arms[@]}"
     done
+    ;;
+confirm_wide)
+    # results/confirm_wide.md (issue 38): width 128's pair on seeds 100-105, each arm at its seed-0 best of
+    # scale_wide_lr_<arm>.json (the rule fixed there; the lrs are not chosen again after these runs).
+    [ -n "$(git rev-list -1 --all -- results/confirm_wide.md)" ] || { echo "commit results/confirm_wide.md first" >&2; exit 1; }
+    arms=()
+    for arm in recipe baseline; do
+        file=$([ $arm = baseline ] && echo config/_baseline.py)
+        lr=$(best_lr results/scale_wide_lr_$arm.json $arm model.d_model=128) || { echo "width 128's lr grid has not run" >&2; exit 1; }
+        arms+=(--arm "${arm}_d128=$file,model.d_model=128,max_steps=1200,warmup_steps=120,lr=$lr")
+    done
+    $SWEEP --name confirm_wide --seeds $CONFIRM_SEEDS "${arms[@]}"
+    ;;
+scale_wide_report)
+    # The gain per width with its interval, the seed-paired slope, the effective-size fit over every
+    # width, width 128's confirmation: results/report_scale_wide.md and results/scale_wide.png.
+    python results/scale_wide.py
     ;;
 moe)
     # 9. MoE (7): 4 experts of width 96, top-2 (the dense model's active MLP width), both arms' lr on
