@@ -3,6 +3,8 @@
     config.json, model.safetensors, generation_config.json   the model
     tokenizer.json, tokenizer_config.json                     the run's tokenizer (byte-level or tiktoken)
     modeling_smallinit.py                                     only for models Llama cannot express
+    smallinit_export.json                                     marks the folder as an export, the only kind
+                                                              a later export into it replaces
 
 A dense causal SwiGLU model without the attention gate is exactly LlamaForCausalLM (fp32 RMSNorm
 with the same eps, RoPE on the pairs (i, i + head_dim/2), GQA head groups in the same order), so
@@ -11,16 +13,23 @@ need modeling_smallinit.py (trust_remote_code=True), whose parameter names are m
 The tokenizer is the run's tiktoken encoding rewritten as a byte-level BPE (`tokenizers`), so
 AutoTokenizer gives the ids prepare_data.py gave; `bytes` is the same BPE with no merges.
 """
+import errno
 import importlib
+import json
 import os
 import re
 import shutil
+import tempfile
 
 from checkpoint import load_model
 from prepare_data import get_tokenizer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 MODELING_FILE = "modeling_smallinit.py"
+# What tells an earlier export from any other folder: only write_folder writes this file. config.json
+# is no sign, since a run folder has one too, and taking it for an export replaced (deleted) the run.
+MARKER = "smallinit_export.json"
+MARKER_BYTES = json.dumps({"exporter": "smallinit hf_export.py", "format": "hf"}).encode()
 
 
 def require(module, why):
@@ -133,31 +142,93 @@ def hf_tokenizer(enc, max_len):
                                    clean_up_tokenization_spaces=False, split_special_tokens=True)
 
 
+def check_replaceable(out_dir):
+    """Raise unless out_dir is absent, an empty folder, or an earlier export: anything else there
+    (a run folder, a user's folder or file, a link) is not this exporter's to replace. The folder is
+    looked at through one descriptor: another export swapping its own in meanwhile can't make one
+    export look like a foreign folder (listed before it moved, its marker looked for after)."""
+    try:
+        fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:  # also a link, to a folder or not: replacing it would swap the link
+        what = "a symlink" if os.path.islink(out_dir) else "a file"
+    else:
+        try:
+            if not os.listdir(fd) or has_marker(fd):
+                return
+        finally:
+            os.close(fd)
+        what = f"a folder without the {MARKER} that every export holds"
+    raise ValueError(f"{out_dir} exists and is not an earlier export ({what}): choose another OUT_DIR "
+                     "or remove it yourself")
+
+
+def has_marker(dir_fd):
+    try:
+        fd = os.open(MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return False
+    with os.fdopen(fd, "rb") as f:
+        return f.read(len(MARKER_BYTES) + 1) == MARKER_BYTES
+
+
+def put_in_place(tmp, out_dir):
+    """Rename the finished folder tmp to out_dir. What was there is renamed aside under a name of its
+    own and deleted only once tmp is in place: a death in between leaves it whole beside out_dir, and
+    nothing that happens to be called OUT.old is touched. A second export to the same out_dir
+    finishing at the same moment makes one of the renames fail (the folder it moved is gone, or its
+    place is taken): the state is then looked at again, so the last one to land wins, whole."""
+    parent, name = os.path.split(out_dir)
+    aside = []
+    while True:
+        check_replaceable(out_dir)
+        if os.path.lexists(out_dir):
+            old = tempfile.mkdtemp(dir=parent, prefix=name + ".", suffix=".old")
+            try:
+                os.rename(out_dir, old)  # onto mkdtemp's empty folder: a rename may replace one
+            except FileNotFoundError:
+                os.rmdir(old)
+                continue
+            aside.append(old)
+        try:
+            os.rename(tmp, out_dir)
+            break
+        except OSError as e:  # ENOTEMPTY / EEXIST: the other export landed between the two renames
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+    for old in aside:
+        shutil.rmtree(old)
+
+
 def write_folder(out_dir, write):
     """write(tmp) fills a fresh folder that then becomes out_dir in one rename: a reader never sees
-    half an export. An earlier export at out_dir is replaced; any other non-empty folder is refused."""
+    half an export. An earlier export at out_dir is replaced; anything else there is refused."""
     out_dir = os.path.abspath(out_dir)
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not os.path.isfile(os.path.join(out_dir, "config.json")):
-        raise ValueError(f"{out_dir} exists and is not an earlier export: choose a new OUT_DIR or remove it")
-    tmp, old = out_dir + ".tmp", out_dir + ".old"
-    for path in (tmp, old):
-        shutil.rmtree(path, ignore_errors=True)
-    os.makedirs(tmp)
-    write(tmp)
-    # safetensors writes its file 0600 while the rest gets the umask's mode: exports are copied to
-    # shared servers, so every file gets what a plain new file would (0644 under umask 022).
-    umask = os.umask(0)
-    os.umask(umask)
-    for name in os.listdir(tmp):
-        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
-    if os.path.exists(out_dir):
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=os.path.basename(out_dir) + ".", suffix=".tmp")
+    try:
+        write(tmp)
+        with open(os.path.join(tmp, MARKER), "wb") as f:
+            f.write(MARKER_BYTES)
+        # mkdtemp makes its folder 0700 and safetensors its file 0600, while the rest gets the umask's
+        # mode: exports are copied to shared servers, so each gets what a plain new one would.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+        put_in_place(tmp, out_dir)
+    except BaseException:  # a refusal, a full disk, Ctrl-C: no half-written folder left beside out_dir
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp)
+        raise
 
 
 def export_hf(ckpt, out_dir, tokenizer_dir=None):
     """Write CKPT (any checkpoint checkpoint.load_model loads) as a transformers folder; returns the architecture."""
+    check_replaceable(os.path.abspath(out_dir))  # before the work, not only before the rename
     require("transformers", "the config and tokenizer classes")
     safetensors_torch = require("safetensors.torch", "writes model.safetensors")
     model, info = load_model(ckpt)

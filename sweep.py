@@ -23,6 +23,7 @@ on Linux they are also stopped when the sweep is SIGKILLed.
 
 import argparse
 import ctypes
+import errno
 import fcntl
 import glob
 import itertools
@@ -38,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from configurator import parse_value  # a grid value is read as train.py reads --key=value
 from downstream import at_least  # eval.py's check of size and count flags
-from fileio import write_json
+from fileio import open_nofollow, write_json
 from prepare_data import cpu_name
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -220,6 +221,19 @@ def point_result(args, point, run_dir, wall_s, command):
             "machine": machine()}
 
 
+def open_in_run(path, flags):
+    """os.open of a file the sweep writes in a run folder. A run folder may come from someone else
+    (rsync, a shared disk): a link planted there as sweep.lock or sweep.log would have the sweep
+    truncate or append to any file the user can write, so a link is refused, its target untouched."""
+    try:
+        return open_nofollow(path, flags)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise RuntimeError(f"{path} is a symlink: remove it and rerun (the sweep writes its own files in the "
+                           "run folder, never through a link)") from None
+
+
 class PointBusy(Exception):
     """Another live sweep (the same --name, started twice) is running this point."""
 
@@ -229,7 +243,7 @@ def lock_point(run_dir):
     released by the kernel when the sweep dies (no stale lock after a kill). It covers training
     and the evaluations, where train.py's own lock covers only training. The file says who
     holds it, for the sibling's message."""
-    fd = os.open(os.path.join(run_dir, "sweep.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_in_run(os.path.join(run_dir, "sweep.lock"), os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -316,7 +330,8 @@ def run_point(args, point, run_dir):
         train = [sys.executable, os.path.join(HERE, "train.py"), *train_args(args, point, run_dir)]
         evals = [[sys.executable, os.path.join(HERE, c[0]), *c[1:]] for c in eval_commands(args, run_dir).values()]
         start = time.time()
-        with open(os.path.join(run_dir, "sweep.log"), "a") as log:
+        log_fd = open_in_run(os.path.join(run_dir, "sweep.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        with os.fdopen(log_fd, "a") as log:
             for cmd in [train, *evals]:
                 log.write(f"$ {' '.join(cmd)}\n")
                 log.flush()
@@ -332,12 +347,38 @@ def run_point(args, point, run_dir):
         os.close(lock)
 
 
+# The fields of a point's row that this sweep and `eval.py report` read, and their types.
+ROW_FIELDS = {"point": str, "arm": str, "arm_configs": list, "arm_set": dict, "setting": dict, "seed": int,
+              "command": list, "config": dict, "eval": dict}
+
+
 def finished(run_dir):
+    """A finished point's row (its sweep_point.json), or None. A record that is not a whole row (cut
+    short on a disk that lost data, edited by hand, a link) is refused rather than guessed at: read
+    as unfinished it would be silently redone, read as it is it would be a wrong row in results."""
     path = os.path.join(run_dir, "sweep_point.json")
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with os.fdopen(open_nofollow(path, os.O_RDONLY), "rb") as f:
+            row = json.load(f)
+    except OSError as e:  # a link (refused, not followed), a folder
+        why = e.strerror
+    except ValueError as e:  # not JSON, not UTF-8
+        why = f"not JSON: {e}"
+    else:
+        why = row_problem(row)
+    if why:
+        raise ValueError(f"{path} is not a finished point's record ({why}): delete it and rerun this command "
+                         "to redo the point (train.py resumes from its checkpoints)")
+    return row
+
+
+def row_problem(row):
+    if not isinstance(row, dict):
+        return f"a JSON {type(row).__name__}, not an object"
+    wrong = [k for k, kind in ROW_FIELDS.items() if not isinstance(row.get(k), kind)]
+    return f"{', '.join(wrong)} missing or of the wrong type" if wrong else None
 
 
 def stale_reason(args, point, run_dir):
@@ -396,15 +437,15 @@ def main(argv=None):
         for s in args.set:
             parse_value_pair(s, "--set")
         todo = [(pt, os.path.join(args.out_root, args.name, pt["name"])) for pt in points(arms, grid, args.seeds)]
+        if len({pt["name"] for pt, _ in todo}) != len(todo):
+            raise ValueError("two points have the same name: give the arms distinct names")
+        for pt, run_dir in todo:  # reads every finished point's record: a broken one stops the sweep here
+            stale = stale_reason(args, pt, run_dir)
+            if stale:
+                raise ValueError(f"point {pt['name']} in {run_dir} {stale}: its row would be reported under "
+                                 "today's settings; use a new --name, or delete that folder to rerun it")
     except ValueError as e:
         raise SystemExit(f"error: {e}")
-    if len({pt["name"] for pt, _ in todo}) != len(todo):
-        raise SystemExit("error: two points have the same name: give the arms distinct names")
-    for pt, run_dir in todo:
-        stale = stale_reason(args, pt, run_dir)
-        if stale:
-            raise SystemExit(f"error: point {pt['name']} in {run_dir} {stale}: its row would be reported under "
-                             "today's settings; use a new --name, or delete that folder to rerun it")
     if args.dry_run or args.print_commands:
         for pt, run_dir in todo:
             state = "finished" if finished(run_dir) else "to run"

@@ -67,7 +67,9 @@ def test_a_finished_point_is_stale_when_its_command_or_evaluations_change(tmp_pa
     assert sweep.stale_reason(Args, point, run) is None  # not run yet: nothing to compare
     os.makedirs(run)
     command = ["python", "train.py", *sweep.train_args(Args, point, run)]
-    (tmp_path / point["name"] / "sweep_point.json").write_text(json.dumps({"command": command, "eval": {"loss": {}}}))
+    row = {"point": point["name"], "arm": "r", "arm_configs": [], "arm_set": {"lr": 0.01}, "setting": {}, "seed": 0,
+           "config": {}, "command": command, "eval": {"loss": {}}}  # every field sweep.finished requires
+    (tmp_path / point["name"] / "sweep_point.json").write_text(json.dumps(row))
     assert sweep.stale_reason(Args, point, run) is None
     Args.eval = ["loss", "sink"]
     assert sweep.stale_reason(Args, point, run) == "was evaluated without sink"
