@@ -5,18 +5,23 @@ hf_export.py and downstream.py (load_model). Nothing here imports train.py.
 A run folder holds config.json, metrics.jsonl, train.lock and checkpoints ckpt_{step:08d}. A
 checkpoint is a folder of DCP's shards (*.distcp) and .metadata index (model + optimizer), one
 rng_rank{r}.pt per rank, and meta.json (config, model_config, data_meta, data_fingerprint, step,
-world_size, the loader's data_state, and the sha256 of every other file in the folder). It is
-written as tmp_ckpt_... and renamed only when every part is on disk.
+world_size, the loader's data_state, and the sha256 of every other file in the folder) with its
+own sha256 beside it in meta.json.sha256. It is written as tmp_ckpt_... and renamed only when
+every part is on disk.
 
-Reading never runs code from the folder: .metadata is unpickled with an allow-list of the classes
-DCP writes there, byte entries and rng files load as plain data (weights_only), and the files'
-bytes are checked against the sha256s in meta.json before they are used.
+Run folders are untrusted input (tar, rsync, a shared disk). Reading never runs code from them
+and never changes the process: .metadata is unpickled with an allow-list of the classes DCP
+writes there, which may set the state of DCP's records only, byte entries and rng files load as
+plain data (weights_only), a checkpoint reads only files inside its folder that meta.json has
+sha256s of, and their bytes are checked before they are used. No symlink in a run folder is
+followed, to read or to write.
 """
 
 import errno
 import fcntl
 import glob
 import hashlib
+import itertools
 import json
 import os
 import pickle
@@ -36,44 +41,91 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   StorageMeta, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from model import GPT, GPTConfig
-from fileio import atomic_open, atomic_write_bytes, read_json, sha256_file, write_json
+from fileio import atomic_open, atomic_write_bytes, open_nofollow, read_json, sha256_file, write_json
 
 # ----------------------------------------------------------------------------- reading without running code
 # DCP unpickles .metadata with plain pickle.load and torch.loads its byte entries (the optimizer's
 # param_groups) with weights_only=False: a crafted folder would run its code on resume, eval or
 # export, before any check of ours could look at it. .metadata may name only what DCP writes there.
-METADATA_CLASSES = {("torch.distributed.checkpoint.metadata", name) for name in (
-    "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-    "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+# DCP's records, the dataclasses .metadata is made of: the only objects whose state it may set.
+DCP_RECORDS = (Metadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata, BytesStorageMetadata,
+               ChunkStorageMetadata, _StorageInfo)
+METADATA_CLASSES = {(c.__module__, c.__name__) for c in DCP_RECORDS} | {
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"), ("torch", "Size"),
     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
 
 
 class UnsafeCheckpoint(pickle.UnpicklingError):
-    """A checkpoint file whose pickle names a class outside the allow-list: never loaded."""
+    """A checkpoint whose .metadata or byte entries would do more than hold DCP's plain records (name a
+    class outside the allow-list, set a class's attributes, point at files outside its folder): never loaded."""
 
 
-class MetadataUnpickler(pickle.Unpickler):
+# The Python unpickler, not the C one: only its opcodes can be overridden (BUILD, below).
+class MetadataUnpickler(pickle._Unpickler):
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def find_class(self, module, name):
-        if (module, name) in METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        # vars, not getattr: torch's module __getattr__ would import whatever submodule the name says
+        dtype = module == "torch" and isinstance(vars(torch).get(name), torch.dtype)
+        if (module, name) in METADATA_CLASSES or dtype:
             return super().find_class(module, name)
         raise UnsafeCheckpoint(f"its .metadata names {module}.{name}, which DCP never writes there (a crafted "
                                f"file?): not loaded")
 
+    def load_build(self):
+        # BUILD sets the attributes of whatever lies under its state on the stack, and that may be a
+        # class the allow-list admits: `GLOBAL pathlib.PosixPath` then BUILD {"__truediv__": ...} would
+        # rebind Path's `/` for the whole process. DCP only ever builds instances of its records.
+        target = self.stack[-2]
+        if type(target) not in DCP_RECORDS:
+            raise UnsafeCheckpoint(f"its .metadata sets attributes of {repr(target)[:80]}, which is not one of "
+                                   f"DCP's records (a crafted file?): not loaded")
+        super().load_build()
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+def plain_name(name):
+    """A file name inside its folder: DCP joins an index's relative_path to the folder, so an absolute
+    or ../ one (or a name with a separator) would read a file outside it."""
+    return type(name) is str and name not in ("", ".", "..") and "/" not in name and "\0" not in name
+
+
+def index_problem(index):
+    """What is wrong with an unpickled .metadata as DCP's index, else None. DCP's reader sets an
+    attribute of its storage_meta and reads the files and byte ranges its storage entries name."""
+    if type(index) is not Metadata:
+        return f"holds {repr(index)[:80]}, not DCP's index"
+    if type(index.storage_meta) not in (StorageMeta, type(None)):
+        return f"has {repr(index.storage_meta)[:80]} as its storage_meta"
+    if type(index.storage_data) is not dict:
+        return "has no table of storage entries"
+    for item in index.storage_data.values():
+        if type(item) is not _StorageInfo:
+            return f"has {repr(item)[:80]} as a storage entry"
+        if not plain_name(item.relative_path):
+            return f"points a storage entry at {item.relative_path!r}, not a file inside the checkpoint folder"
+        if not all(type(n) is int and n >= 0 for n in (item.offset, item.length)):
+            return f"gives {item.relative_path} a byte range of {item.offset!r}+{item.length!r}"
+    return None
+
 
 class CheckpointReader(dcp.FileSystemReader):
-    """DCP's reader with .metadata unpickled through the allow-list."""
+    """DCP's reader with .metadata unpickled through the allow-list and checked before use."""
 
     def read_metadata(self, *args, **kwargs):
         with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
             metadata = MetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
+        problem = index_problem(metadata)
+        if problem:
+            raise UnsafeCheckpoint(f"its .metadata {problem} (a crafted file?): not loaded")
+        if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -160,6 +212,67 @@ class DamagedCheckpoint(Exception):
     """A complete-looking checkpoint whose bytes are not the ones written: resume falls back."""
 
 
+# meta.json can't hold its own sha256, so it sits beside it, in sha256sum's format (`sha256sum -c`
+# checks it by hand): a flipped digit of the data position or the step would otherwise resume the
+# wrong batches, silently. Checkpoints written before it have none, and are read as before.
+META_SUM = "meta.json.sha256"
+
+
+def meta_sum(raw):
+    return f"{hashlib.sha256(raw).hexdigest()}  meta.json\n".encode()
+
+
+# meta.json's keys as the readers use them (resume, load_model, export), each of one JSON type: any
+# other meta.json is damage, not a traceback deep in a resume. The optional ones are absent from
+# checkpoints written before they existed; only resume reads data_state (a folder made for analysis
+# may lack it).
+META_TYPES = {"step": int, "world_size": int, "config": dict, "model_config": dict, "data_meta": dict,
+              "data_state": dict, "sha256": dict, "data_fingerprint": str, "resume_changes": list}
+OPTIONAL_META = {"data_state", "sha256", "data_fingerprint", "resume_changes"}
+
+
+def meta_problem(meta):
+    if type(meta) is not dict:
+        return f"holds a JSON {type(meta).__name__}, not an object"
+    for key, kind in META_TYPES.items():
+        if key not in meta and key not in OPTIONAL_META:
+            return f"has no {key!r}"
+        if key in meta and type(meta[key]) is not kind:
+            return f"has {key!r} of type {type(meta[key]).__name__}, not {kind.__name__}"
+    if meta["step"] < 0 or meta["world_size"] < 1:
+        return f"has step {meta['step']} and world_size {meta['world_size']}"
+    outside = [name for name in meta.get("sha256", {}) if not plain_name(name)]
+    if outside:
+        return f"lists {outside[0]!r} among its files, not a file inside the checkpoint folder"
+    return None
+
+
+def read_meta(path):
+    """A checkpoint folder's meta.json, read once and checked (against META_SUM where it has one, then
+    its keys); DamagedCheckpoint says what is wrong."""
+    try:
+        with open(os.path.join(path, "meta.json"), "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise DamagedCheckpoint("no meta.json") from None
+    try:
+        meta = json.loads(raw)
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise DamagedCheckpoint(f"meta.json is not valid JSON ({e})") from None
+    try:
+        with open(os.path.join(path, META_SUM), "rb") as f:
+            recorded = f.read()
+    except FileNotFoundError:
+        recorded = None  # written before meta.json had a sha256
+    if recorded is not None and recorded != meta_sum(raw):
+        raise DamagedCheckpoint(f"meta.json does not match its sha256 in {META_SUM} (its bytes changed after it "
+                                f"was written)")
+    problem = meta_problem(meta)
+    if problem:
+        raise DamagedCheckpoint(f"meta.json {problem}")
+    return meta
+
+
 def checksum_problem(path, meta, rank=0, world=1):
     """None if this rank's share of the folder's files (every world-th, from rank) match the sha256s
     in meta.json, else the first that does not. Checkpoints from before checksums pass unchecked."""
@@ -183,36 +296,52 @@ class RunDirError(Exception):
     change the experiment. One line naming the problem and the fix."""
 
 
+def file_problem(path, name, listed, size=0):
+    """What keeps a checkpoint from reading its file name (at least size bytes long), else None. listed:
+    the names meta.json has sha256s of (None before checksums): any other file would be read unchecked."""
+    file = os.path.join(path, name)
+    if listed is not None and name not in listed:
+        return f"{name} is not among the files meta.json has sha256s of (a crafted .metadata?)"
+    if os.path.islink(file):
+        return f"{name} is a symlink: not followed (a checkpoint's files are in its folder)"
+    if not os.path.isfile(file):
+        return f"{name} is missing"
+    if os.path.getsize(file) < size:
+        return f"{name} is truncated ({os.path.getsize(file)} of {size} bytes)"
+    return None
+
+
 def checkpoint_problem(path):
     """None if the checkpoint folder is complete, else what is wrong with it. Complete means
-    meta.json and DCP's .metadata parse, every byte range .metadata names is on disk, and each
-    rank that saved left its rng file: a folder pruned or copied halfway fails one of these."""
+    meta.json matches its sha256 and has the keys readers use, DCP's .metadata parses and names
+    only files inside the folder that meta.json has sha256s of, every byte range it names is on
+    disk, and each rank that saved left its rng file: a folder pruned or copied halfway fails one
+    of these. A file of it that is a symlink is refused unread: it would be read from outside."""
+    for name in ("meta.json", META_SUM, ".metadata"):
+        if os.path.islink(os.path.join(path, name)):
+            return f"{name} is a symlink: not followed (a checkpoint's files are in its folder)"
     try:
-        meta = read_json(os.path.join(path, "meta.json"))
-    except FileNotFoundError:
-        return "no meta.json"
-    except (ValueError, UnicodeDecodeError) as e:
-        return f"meta.json is not valid JSON ({e})"
-    try:
+        meta = read_meta(path)
         index = CheckpointReader(path).read_metadata()
+    except DamagedCheckpoint as e:
+        return str(e)
     except FileNotFoundError:
         return "no .metadata (DCP's index)"
     except UnsafeCheckpoint as e:
         return str(e)
     except Exception as e:  # a truncated or foreign pickle: any unpickling error
         return f".metadata is unreadable ({type(e).__name__})"
-    needed = {}
+    needed = {".metadata": 0}
     for item in index.storage_data.values():
         needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
-    for name, size in sorted(needed.items()):
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            return f"{name} is missing"
-        if os.path.getsize(file) < size:
-            return f"{name} is truncated ({os.path.getsize(file)} of {size} bytes)"
-    for r in range(meta.get("world_size", 1)):
-        if not os.path.isfile(os.path.join(path, f"rng_rank{r}.pt")):
-            return f"rng_rank{r}.pt is missing"
+    listed = meta.get("sha256")
+    # lazily: a crafted world_size of 10**12 ends at the first rng file missing
+    files = itertools.chain(sorted(needed.items()), ((f"rng_rank{r}.pt", 0) for r in range(meta["world_size"])),
+                            ((name, 0) for name in sorted(listed or ())))
+    for name, size in files:
+        problem = file_problem(path, name, listed, size)
+        if problem:
+            return problem
     return None
 
 
@@ -220,10 +349,12 @@ def scan_checkpoints(run_dir):
     """(complete, damaged): a run's complete ckpt_* folders oldest first, and [(path, problem)]
     for the others. A run killed while saving leaves a tmp_ folder and one killed while pruning
     a deleting_ folder, never a ckpt_ one; damage after that (a disk error, a partial copy) is
-    caught by checkpoint_problem."""
+    caught by checkpoint_problem. A ckpt_ symlink is never read: a run folder may come from
+    someone else (tar, rsync), and its link could point anywhere."""
     complete, damaged = [], []
     for path in sorted(glob.glob(os.path.join(run_dir, "ckpt_*"))):
-        problem = checkpoint_problem(path)
+        problem = "a symlink: not followed (a run's checkpoints are in its folder)" if os.path.islink(path) else \
+            checkpoint_problem(path)
         if problem:
             damaged.append((path, problem))
         else:
@@ -235,20 +366,41 @@ def complete_checkpoints(run_dir):
     return scan_checkpoints(run_dir)[0]
 
 
+def remove_tree(path):
+    """rmtree, except that a symlink is removed itself: its target is not the run's to delete."""
+    if os.path.islink(path):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path)
+
+
 def prune_checkpoint(path):
     """Delete a checkpoint so that a kill at any moment leaves no half-deleted ckpt_ folder:
     renamed out of the ckpt_* namespace first (atomic), then removed; train.py clears leftover
     deleting_ folders at start."""
     trash = os.path.join(os.path.dirname(path), "deleting_" + os.path.basename(path))
     os.rename(path, trash)
-    shutil.rmtree(trash)
+    remove_tree(trash)
 
 
 def clear_leftovers(run_dir):
     """tmp_ckpt_* (killed while saving) and deleting_ckpt_* (killed while pruning). Only ever
     called under the run folder's lock: another run's tmp_ folder is its checkpoint in progress."""
     for stale in glob.glob(os.path.join(run_dir, "tmp_ckpt_*")) + glob.glob(os.path.join(run_dir, "deleting_ckpt_*")):
-        shutil.rmtree(stale)
+        remove_tree(stale)
+
+
+def open_in_run_dir(path, flags):
+    """fileio.open_nofollow for a file of a run folder, a symlink there refused in one line: the
+    folder may come from someone else, and opening through its link to write (the lock truncates
+    its file) would change a file anywhere the user can write."""
+    try:
+        return open_nofollow(path, flags)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise RunDirError(f"{path} is a symlink: not followed (a run folder's files are its own); replace it "
+                          f"with a regular file or remove it, then rerun") from None
 
 
 def lock_run_dir(run_dir):
@@ -256,7 +408,7 @@ def lock_run_dir(run_dir):
     by the kernel when it dies (no stale lock after a crash or SIGKILL). The file says who holds
     it, for the error a second launch gets."""
     path = os.path.join(run_dir, "train.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_in_run_dir(path, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -455,9 +607,12 @@ def save_checkpoint(cfg, step, net, opt, loader, meta, last_good):
         every_rank = [None] * dist.get_world_size()
         dist.all_gather_object(every_rank, sha256)  # also the barrier: every rank's files are on disk
         if rank == 0:
-            write_json(os.path.join(tmp, "meta.json"), {
+            meta_file = os.path.join(tmp, "meta.json")
+            write_json(meta_file, {
                 **meta, "step": step, "world_size": dist.get_world_size(), "data_state": loader.state_dict(),
                 "sha256": dict(sorted(kv for files in every_rank for kv in files.items()))})
+            with open(meta_file, "rb") as f:
+                atomic_write_bytes(os.path.join(tmp, META_SUM), [meta_sum(f.read())])
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         hit = write_limit([e, *writer.fs.errors], cfg["out_dir"], local_state_bytes(net, opt))
         if hit is None:
@@ -470,7 +625,7 @@ def save_checkpoint(cfg, step, net, opt, loader, meta, last_good):
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if rank == 0:
-        if os.path.exists(final):  # a damaged one that resume fell back from: replaced
+        if os.path.lexists(final):  # a damaged one that resume fell back from (or a link): replaced
             prune_checkpoint(final)
         os.rename(tmp, final)
         # keep_last counts complete checkpoints (each .metadata read, ms apiece), so a damaged
@@ -602,7 +757,7 @@ def newest_intact(run_dir, verify):
     found, damaged = scan_checkpoints(run_dir)
     problems = dict(damaged)
     for path in reversed(found):
-        meta = read_json(os.path.join(path, "meta.json"))
+        meta = read_meta(path)
         problem = checksum_problem(path, meta) if verify else None
         if problem is None:
             skipped = sorted(p for p in problems if os.path.basename(p) > os.path.basename(path))
@@ -626,7 +781,7 @@ def load_model(path, device="cpu", attn_backend=None, verify=True):
     elif os.path.isdir(path):
         # Read once: the settings returned are then those whose sha256s were checked, even if
         # the file is replaced meanwhile.
-        info = read_json(os.path.join(path, "meta.json"))
+        info = read_meta(path)
         problem = checksum_problem(path, info) if verify else None
         if problem:
             raise ValueError(f"{path}: damaged checkpoint ({problem}); pass another checkpoint")
@@ -683,18 +838,32 @@ def export(ckpt_dir, out_file):
 
 
 def truncate_metrics(path, step):
-    """On resume, drop rows the killed run wrote after its last checkpoint: they are redone."""
-    if not os.path.exists(path):
+    """On resume, drop rows the killed run wrote after its last checkpoint: they are redone. Only
+    the last line can be half-written (the file is only appended to, and cut here at every start):
+    it is dropped. Any other line that is not a row is a one-line error, the file left as it was:
+    dropping it would rewrite the run's history unasked."""
+    try:
+        with os.fdopen(open_in_run_dir(path, os.O_RDONLY), "rb") as f:
+            lines = f.readlines()
+    except FileNotFoundError:
         return
     rows = []
-    with open(path) as f:
-        for line in f:
-            try:
-                if json.loads(line)["step"] <= step:
-                    rows.append(line)
-            except (json.JSONDecodeError, KeyError):
-                pass  # the half-written last row of a killed run
-    atomic_write_bytes(path, [row.encode() for row in rows])
+    for n, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except ValueError:  # not JSON, or not UTF-8
+            row = None
+        if type(row) is not dict or type(row.get("step")) is not int:
+            if n == len(lines) and not line.endswith(b"\n"):
+                break  # the half-written last row of a killed run
+            text = line.rstrip(b"\n")[:60].decode(errors="replace")
+            raise ValueError(f"{path} line {n} is not a metrics row ({text!r}: "
+                             f"a row is a JSON object with an integer step): repair or delete that line and rerun "
+                             f"(nothing was changed)")
+        if row["step"] <= step:
+            # a whole last row without its newline (a full disk) would have the next row appended to it
+            rows.append(line if line.endswith(b"\n") else line + b"\n")
+    atomic_write_bytes(path, rows)
 
 
 def scalars(row, prefix=""):
@@ -722,7 +891,7 @@ class Metrics:
         self.path = os.path.join(cfg["out_dir"], "metrics.jsonl")
         with naming(self.path):
             truncate_metrics(self.path, -1 if resumed_step is None else resumed_step)
-            self.file = open(self.path, "a")
+            self.file = os.fdopen(open_in_run_dir(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a")
         if cfg["tensorboard_dir"]:
             from torch.utils.tensorboard import SummaryWriter
             # A resumed run redoes the steps after its checkpoint: purge_step hides the killed

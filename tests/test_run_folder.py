@@ -280,10 +280,12 @@ def test_rng_file_is_loaded_without_running_code(run6, data_dir, tmp_path):  # n
 
 
 def drop_checksums(ckpt):
+    """As written before checksums: meta.json without sha256s, and no meta.json.sha256."""
     meta_file = os.path.join(ckpt, "meta.json")
     meta = json.load(open(meta_file))
     del meta["sha256"]
     json.dump(meta, open(meta_file, "w"))
+    os.remove(os.path.join(ckpt, "meta.json.sha256"))
 
 
 def test_crafted_metadata_runs_no_code_on_resume_eval_or_export(run6, data_dir, tmp_path):  # noqa: F811
@@ -359,7 +361,7 @@ def test_checkpoint_records_the_sha256_of_every_file_it_wrote(run6):
     for ckpt in checkpoint.complete_checkpoints(run6):
         recorded = json.load(open(os.path.join(ckpt, "meta.json")))["sha256"]
         on_disk = {name: hashlib.sha256(open(os.path.join(ckpt, name), "rb").read()).hexdigest()
-                   for name in os.listdir(ckpt) if name != "meta.json"}
+                   for name in os.listdir(ckpt) if name not in ("meta.json", "meta.json.sha256")}
         assert recorded == on_disk
 
 
