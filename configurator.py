@@ -82,9 +82,12 @@ def configure(defaults, argv, aliases=None):
     """defaults <- config files (in order) <- --key=value overrides, each name and type checked
     against defaults (which are not changed)."""
     cfg = copy.deepcopy(defaults)
-    for arg in argv:
+    for arg, after in zip(argv, [*argv[1:], None]):
         if arg.startswith("--"):
             key, eq, text = arg[2:].partition("=")
+            if not eq and after is not None and not after.startswith("--") and not os.path.isfile(after):
+                # argparse's habit, `--lr 3e-4`: read as a bare --lr (True) and a config file named 3e-4
+                raise ValueError(f"config: --{key} {after}: settings take one argument, write --{key}={after}")
             if not eq:
                 text = "True"  # a bare --flag
             set_key(cfg, defaults, key, parse_value(text), "the command line", aliases, merge_dicts=True)

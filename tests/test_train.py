@@ -146,6 +146,8 @@ def test_config_defaults_files_and_overrides(tmp_path):
     (["--init_overrides={'(': 0.5}"], "overrides pattern '(' is not a valid regex (missing ), unterminated subpattern"),
     (["--init_overrides={'^head': 0.5}"], "overrides pattern '^head' matches no parameter (names are like "),
     (["--out_dir="], "out_dir is empty: name the run folder"),
+    (["--lr", "3e-4"], "config: --lr 3e-4: settings take one argument, write --lr=3e-4"),  # argparse's habit
+    (["--compile", "False"], "write --compile=False"),
 ])
 def test_config_errors(args, message):
     with pytest.raises((ValueError, FileNotFoundError)) as e:
