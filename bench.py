@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from init import gamma_init_
-from model import GPT, SIZES, GPTConfig, chunked_cross_entropy, init_model_
+from model import GPT, MLP, SIZES, Attention, GPTConfig, chunked_cross_entropy, init_model_
 from fileio import atomic_write_bytes
 
 
@@ -103,6 +103,59 @@ def plain_d_ff(cfg, seq_len):
     return max(64, 64 * round((target - fixed) / (2 * d * L) / 64))
 
 
+# ----------------------------------------------------------------------------- slow forms
+# The textbook forms of what model.py computes faster, with the same parameters and values, so
+# that a variant can time one saving at a time. Here, not in model.py, which keeps one form of each.
+
+def rope_by_halves(x, cos, sin):
+    """model.apply_rope as [x1 cos - x2 sin, x1 sin + x2 cos]: six half-width ops and a cat."""
+    cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+class RopeByHalves(Attention):
+    rope = staticmethod(rope_by_halves)
+
+
+class SeparateProjections(Attention):
+    def project(self, x):
+        B, T, _ = x.shape
+        return (self.wq(x).view(B, T, self.n_head, self.head_dim), self.wk(x).view(B, T, self.n_kv_head, self.head_dim),
+                self.wv(x).view(B, T, self.n_kv_head, self.head_dim))
+
+
+class SeparateGateUp(MLP):
+    def forward(self, x):
+        if self.w_gate is None:
+            return super().forward(x)
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+SLOW_FORMS = ("rope-halves", "separate-gemms")
+
+
+def use_slow_forms(model, forms):
+    """Switch a GPT's blocks to the slow forms named (of SLOW_FORMS), in place: the same modules
+    and parameters, another forward."""
+    if set(forms) - set(SLOW_FORMS):
+        raise ValueError(f"slow forms {sorted(set(forms) - set(SLOW_FORMS))}: choose from {', '.join(SLOW_FORMS)}")
+    bases = [cls for form, cls in zip(SLOW_FORMS, (RopeByHalves, SeparateProjections)) if form in forms]
+    attention = type("SlowAttention", tuple(bases), {}) if bases else None
+    for block in model.layers:
+        if attention is not None:
+            block.attn.__class__ = attention
+        if "separate-gemms" in forms and type(block.mlp) is MLP:
+            block.mlp.__class__ = SeparateGateUp
+
+
+def full_loss(model, idx, targets):
+    """The loss from the whole (B, T, V) logits by F.cross_entropy in fp32, as GPT.forward computed
+    it before its chunked loss (dense models: no MoE auxiliary loss)."""
+    logits, _ = model(idx)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+
+
 # ----------------------------------------------------------------------------- variants
 
 @dataclass(frozen=True)
@@ -123,6 +176,8 @@ class Variant:
     group: Group
     model: dict = field(default_factory=dict)   # GPTConfig fields over the group's
     reference: bool = False                     # the plain GPT instead of model.GPT
+    slow: tuple = ()                            # SLOW_FORMS its blocks use instead of model.GPT's
+    full_loss: bool = False                     # full_loss instead of GPT.forward's chunked loss
     gamma: float = 1.0
     compile: bool = False                       # torch.compile each block, as train.py does
 
@@ -159,6 +214,12 @@ def common_variants(g, compile, attn):
         Variant("gelu", "GELU MLP instead of SwiGLU (same parameters)", g, dict(mlp="gelu"), compile=compile),
         Variant(f"attn-{attn}", f"{attn} attention backend", g, dict(attn_backend=attn), compile=compile),
         Variant("gamma-0.5", "γ=0.5 init: other weights, the same step", g, gamma=0.5, compile=compile),
+        # What each of model.GPT's fast paths saves, one at a time (the same values). The RoPE
+        # forms only eager: compiled, inductor fuses either into one kernel.
+        Variant("rope-halves", "RoPE on the two halves, then cat (eager)", g, slow=("rope-halves",)),
+        Variant("separate-gemms", "q, k, v and SwiGLU's gate, up: one GEMM each", g, slow=("separate-gemms",),
+                compile=compile),
+        Variant("full-loss", "loss on the full (B, T, V) logits, not chunked", g, full_loss=True, compile=compile),
         # The meta kernel of torch._grouped_mm accepts bf16 only, so fp32 runs it eager.
         Variant("moe-grouped", "MoE 8 experts top-2, torch._grouped_mm", g, moe,
                 compile=compile and g.dtype == "bfloat16"),
@@ -186,6 +247,11 @@ def cuda_variants():
     large = Group("1.5b", {**SIZES["1.5b"], **flex}, batch=8, seq_len=2048, dtype="bfloat16")
     return common_variants(small, compile=True, attn="sdpa") + [
         Variant("uncompiled", "model.GPT without torch.compile (flex is still compiled)", small),
+        # flash-attention's varlen kernel in place of flex: only the attention kernel differs
+        # from uncompiled (flex's is compiled either way), and each is the one compiled blocks
+        # run. Eager: another ~30 s compile would not fit the suite in 8 minutes.
+        Variant("uncompiled-varlen", "uncompiled, varlen attention backend instead of flex", small,
+                dict(attn_backend="varlen")),
         plain_gpt("reference", "plain GPT: LayerNorm, GELU, learned positions, fused qkv", large, compile=True),
         Variant("default", "model.GPT: RMSNorm, RoPE, SwiGLU, elementwise gate, γ=1", large, compile=True),
     ]
@@ -288,6 +354,7 @@ def build(v, device):
         gamma_init_(model, gamma=v.gamma)
     else:
         init_model_(model, gamma=v.gamma)
+        use_slow_forms(model, v.slow)
     model.to(dtype=getattr(torch, v.group.dtype))
     if v.compile:
         for block in model.layers:
@@ -311,7 +378,10 @@ class Runner:
         self.idx, self.targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     def step(self):
-        _, loss = self.model(self.idx, self.targets)
+        if self.v.full_loss:
+            loss = full_loss(self.model, self.idx, self.targets)
+        else:
+            _, loss = self.model(self.idx, self.targets)
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -387,11 +457,7 @@ def _added_peak(tail, vocab, batch, seq_len, d_model, chunk_elements):
     net = GPT(GPTConfig(vocab_size=vocab, n_layer=1, n_head=1, d_model=d_model, max_seq_len=seq_len)).train()
     idx, targets = torch.randint(vocab, (2, batch, seq_len))
     before = _status_kib("VmRSS")
-    if tail == "full":
-        logits, _ = net(idx)
-        loss = F.cross_entropy(logits.float().view(-1, vocab), targets.view(-1), ignore_index=-1)
-    else:
-        _, loss = net(idx, targets)
+    loss = full_loss(net, idx, targets) if tail == "full" else net(idx, targets)[1]
     loss.backward()
     return (_status_kib("VmHWM") - before) * 1024
 
@@ -442,7 +508,7 @@ def plan(variants, suite, steps, repeats, warmup, peak):
                 model = make_model(v)
             fpt = model.flops_per_token(group.seq_len)
             step_s = fpt * group.batch * group.seq_len / (peak * suite.assumed_mfu)
-            structure = (group.name, v.reference, tuple(sorted(v.model.items())))
+            structure = (group.name, v.reference, tuple(sorted(v.model.items())), v.slow)
             compile_s = suite.compile_s if v.compile and structure not in compiled else 0.0
             if v.compile:
                 compiled.add(structure)

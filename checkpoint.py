@@ -5,7 +5,7 @@ hf_export.py and downstream.py (load_model). Nothing here imports train.py.
 A run folder holds config.json, metrics.jsonl, train.lock and checkpoints ckpt_{step:08d}. A
 checkpoint is a folder of DCP's shards (*.distcp) and .metadata index (model + optimizer), one
 rng_rank{r}.pt per rank, and meta.json (config, model_config, data_meta, data_fingerprint, step,
-world_size, the loader's data_state, and the sha256 of every other file in the folder) with its
+world_size, the loader's data_state, code_version, and the sha256 of every other file in the folder) with its
 own sha256 beside it in meta.json.sha256. It is written as tmp_ckpt_... and renamed only when
 every part is on disk.
 
@@ -28,6 +28,7 @@ import pickle
 import resource
 import shutil
 import socket
+import subprocess
 import sys
 import time
 import warnings
@@ -162,6 +163,55 @@ def load_error(error):
     return text if isinstance(error, UnsafeCheckpoint) else f"{type(error).__name__}: {text[:160]}"
 
 
+# ----------------------------------------------------------------------------- code version
+# config.json and every checkpoint record the code that wrote them. The files hashed are the code a
+# run is made of, the top-level modules and the config files, read from beside this file: never from
+# the run folder (out/run by default sits inside the repo, and holds no code).
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE_PATHSPECS = (":(glob)*.py", ":(glob)config/**/*.py")  # the same files, as git names them
+
+
+def source_files(root):
+    top = [name for name in os.listdir(root) if name.endswith(".py")]
+    configs = [os.path.relpath(os.path.join(folder, name), root)
+               for folder, _, names in os.walk(os.path.join(root, "config")) for name in names if name.endswith(".py")]
+    return sorted(name for name in top + configs if os.path.isfile(os.path.join(root, name)))
+
+
+def source_sha256(root):
+    """The sha256 of sha256sum's lines for the source files in sorted order; by hand, in root:
+    (ls *.py; find config -name '*.py') | LC_ALL=C sort | xargs sha256sum | sha256sum"""
+    lines = "".join(f"{sha256_file(os.path.join(root, name))}  {name}\n" for name in source_files(root))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def git_state(root):
+    """(commit, dirty) when root is the top of a git checkout, else (None, None). Dirty: a source file
+    differs from the commit, untracked ones included (a new module the code imports is a change too).
+    A copy of the files inside another project's checkout is not that project's commit."""
+    # GIT_DIR and its kind, set when this runs under a git hook, would point git at another repository
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    try:
+        top, commit = subprocess.run(["git", "-C", root, "rev-parse", "--show-toplevel", "HEAD"], capture_output=True,
+                                     text=True, check=True, env=env, timeout=30).stdout.splitlines()
+        if os.path.realpath(top) != os.path.realpath(root):
+            return None, None
+        # --no-optional-locks: every rank of a job runs this, and status would otherwise take the index's lock
+        changed = subprocess.run(["git", "--no-optional-locks", "-C", root, "status", "--porcelain", "--",
+                                  *SOURCE_PATHSPECS], capture_output=True, text=True, check=True, env=env,
+                                 timeout=30).stdout
+    except (OSError, ValueError, subprocess.SubprocessError):  # no git, not a checkout (or no commit yet)
+        return None, None
+    return commit, bool(changed.strip())
+
+
+def code_version(root=HERE):
+    """{git_commit, git_dirty, source_sha256}: the git ones None outside a git checkout (a copied
+    folder, a tarball). The hash is always there: it tells two dirty runs of one commit apart."""
+    commit, dirty = git_state(root)
+    return {"git_commit": commit, "git_dirty": dirty, "source_sha256": source_sha256(root)}
+
+
 # ----------------------------------------------------------------------------- checksums
 # DCP keeps no checksums, so a flipped byte in a shard would load as a plausible model. Every file
 # a checkpoint writes is hashed from the bytes on their way to disk (no second read at save) and
@@ -227,8 +277,9 @@ def meta_sum(raw):
 # checkpoints written before they existed; only resume reads data_state (a folder made for analysis
 # may lack it).
 META_TYPES = {"step": int, "world_size": int, "config": dict, "model_config": dict, "data_meta": dict,
-              "data_state": dict, "sha256": dict, "data_fingerprint": str, "resume_changes": list}
-OPTIONAL_META = {"data_state", "sha256", "data_fingerprint", "resume_changes"}
+              "data_state": dict, "sha256": dict, "data_fingerprint": str, "resume_changes": list,
+              "code_version": dict}
+OPTIONAL_META = {"data_state", "sha256", "data_fingerprint", "resume_changes", "code_version"}
 
 
 def meta_problem(meta):
@@ -468,7 +519,7 @@ def recorded_settings(saved_meta):
 
 def experiment_changes(saved_meta, cfg, data_fp):
     """{setting: {"was", "now"}} between a checkpoint and this run. Data is compared by content
-    (prepare_data.data_fingerprint), so a refilled folder of the same size is caught; checkpoints
+    (data.data_fingerprint), so a refilled folder of the same size is caught; checkpoints
     written before fingerprints existed are compared on settings only."""
     was, now = recorded_settings(saved_meta), json.loads(json.dumps(cfg))  # as saved: tuples are lists
     changes = {k: {"was": was.get(k), "now": now[k]} for k in EXPERIMENT_KEYS if was.get(k) != now[k]}
@@ -525,37 +576,43 @@ def open_run_dir(out, resume, rank, log):
 
 def resume_run(cfg, done, net, opt, loader, mcfg, data_fp, log):
     """(step, resumed checkpoint or None, changes, meta): the newest of `done` that loads on every
-    rank, falling back to the one before; the experiment changes allowed at this resume; and the
-    meta every checkpoint of this run records (settings_to_record)."""
-    step, resumed, changes, meta = 0, None, {}, None
-    for path in reversed(done):
-        meta = read_json(os.path.join(path, "meta.json"))
-        check_resumable(path, mcfg)
-        changes = experiment_changes(meta, cfg, data_fp)
-        if changes and not cfg["allow_resume_changes"]:
-            raise RunDirError(f"{cfg['out_dir']} was trained with other settings ({describe_changes(changes)}): resume "
-                              f"with the run's settings, choose another out_dir, or pass --allow_resume_changes=True "
-                              f"(the changes are recorded in metrics.jsonl)")
-        why = None
-        try:
-            load_checkpoint(path, meta, net, opt, loader, cfg["weight_decay"], cfg["verify_checkpoints"])
-        except ValueError:
-            raise  # the data no longer fits the checkpoint: the user's to fix, not damage
-        except (Exception, CheckpointException) as e:  # unreadable bytes: DCP raises a BaseException
-            why = load_error(e)
+    rank (newest_intact), falling back to the one before; the experiment changes allowed at this
+    resume; and the meta every checkpoint of this run records (settings_to_record, code_version)."""
+
+    def agreed(why):  # every rank's verdict, so that all load, fall back or stop together
         ok = torch.tensor(why is None, device=next(net.parameters()).device, dtype=torch.float32)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank falls back together
-        if ok.item() and not all_finite(net, opt):
-            why = "its parameters or optimizer state are not finite"
-        elif not ok.item():
-            why = why or "another rank could not load it"
-        if why is None:
-            step, resumed = meta["step"], path
-            break
-        log(f"{path} could not be resumed ({why}): falling back to the previous checkpoint")
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return ok.item()
+
+    def try_resume(path, meta, why):
+        if not agreed(why):
+            why = why or "another rank could not read its meta.json"
+        else:
+            check_resumable(path, mcfg)
+            changes = experiment_changes(meta, cfg, data_fp)
+            if changes and not cfg["allow_resume_changes"]:
+                raise RunDirError(f"{cfg['out_dir']} was trained with other settings ({describe_changes(changes)}): "
+                                  f"resume with the run's settings, choose another out_dir, or pass "
+                                  f"--allow_resume_changes=True (the changes are recorded in metrics.jsonl)")
+            try:
+                load_checkpoint(path, meta, net, opt, loader, cfg["weight_decay"], cfg["verify_checkpoints"])
+            except ValueError:
+                raise  # the data no longer fits the checkpoint: the user's to fix, not damage
+            except (Exception, CheckpointException) as e:  # unreadable bytes: DCP raises a BaseException
+                why = load_error(e)
+            if not agreed(why):
+                why = why or "another rank could not load it"
+            elif not all_finite(net, opt):
+                why = "its parameters or optimizer state are not finite"
+        if why is not None:
+            log(f"{path} could not be resumed ({why}): falling back to the previous checkpoint")
+        return why
+
+    resumed, meta, _ = newest_intact(done, try_resume)
     if done and resumed is None:
         raise RunDirError(f"no checkpoint in {cfg['out_dir']} could be resumed (see above): move them away to start "
                           f"over, or choose another out_dir")
+    step, changes = (meta["step"], experiment_changes(meta, cfg, data_fp)) if resumed else (0, {})
     if resumed:
         log(f"resumed from {resumed} at step {step}")
         if meta["world_size"] != dist.get_world_size():
@@ -564,9 +621,10 @@ def resume_run(cfg, done, net, opt, loader, mcfg, data_fp, log):
                 f"float reductions run in a different order")
         if changes:
             log(f"resuming with changed settings (allow_resume_changes): {describe_changes(changes)}")
-    recorded, history = settings_to_record(meta if resumed else None, cfg, step, changes)
+    recorded, history = settings_to_record(meta, cfg, step, changes)
     return step, resumed, changes, {"config": recorded, "resume_changes": history, "model_config": asdict(mcfg),
-                                    "data_meta": loader.meta, "data_fingerprint": data_fp}
+                                    "data_meta": loader.meta, "data_fingerprint": data_fp,
+                                    "code_version": code_version()}
 
 
 def diverged_hint(last_good):
@@ -750,25 +808,49 @@ def find_checkpoints(path):
     return found
 
 
-def newest_intact(run_dir, verify):
-    """(path, its meta.json) of the newest checkpoint of a run folder whose files match their
-    sha256s (all of them when verify is False); says on stderr which newer ones were passed over
-    and why."""
+def newest_intact(paths, check):
+    """The one chooser of the checkpoint to use (resume, load_model, export): (path, its meta.json,
+    passed) for the newest of paths (oldest first) whose meta.json reads whole (read_meta) and that
+    check passes, with passed the [(path, why)] of the newer ones passed over; path and meta are None
+    when none does. check(path, meta, why) gets meta None and why when meta.json did not read; it
+    returns why not to use the checkpoint, or None. It is called on each candidate in turn (on every
+    rank at a resume, where it loads the checkpoint: collectives stay in step)."""
+    passed = []
+    for path in reversed(paths):
+        try:
+            meta, why = read_meta(path), None
+        except DamagedCheckpoint as e:
+            meta, why = None, str(e)
+        why = check(path, meta, why)
+        if why is None:
+            return path, meta, passed
+        passed.append((path, why))
+    return None, None, passed
+
+
+def sums_check(verify):
+    """newest_intact's check for the readers: every file matches its sha256 (not checked when verify
+    is False: that is a full read of the checkpoint)."""
+    return lambda path, meta, why: why or (checksum_problem(path, meta) if verify else None)
+
+
+def newest_in_run(run_dir, verify):
+    """(path, its meta.json) of a run folder's newest intact checkpoint (newest_intact, sums_check);
+    says on stderr which newer ones were passed over and why."""
     found, damaged = scan_checkpoints(run_dir)
-    problems = dict(damaged)
-    for path in reversed(found):
-        meta = read_meta(path)
-        problem = checksum_problem(path, meta) if verify else None
-        if problem is None:
-            skipped = sorted(p for p in problems if os.path.basename(p) > os.path.basename(path))
-            if skipped:
-                print(f"{run_dir}: using {os.path.basename(path)}; newer but damaged: "
-                      + "; ".join(f"{os.path.basename(p)} ({problems[p]})" for p in skipped), file=sys.stderr)
-            return path, meta
-        problems[path] = problem
-    newest = max(problems, key=os.path.basename)
-    raise ValueError(f"{run_dir}: every checkpoint is damaged (the newest, {os.path.basename(newest)}: "
-                     f"{problems[newest]}); pass a .pt export or another run folder")
+    path, meta, passed = newest_intact(found, sums_check(verify))
+    problems = dict(damaged + passed)
+    if path is None:
+        if not problems:
+            raise ValueError(f"{run_dir}: no ckpt_* folders; pass a .pt export or another run folder")
+        newest = max(problems, key=os.path.basename)
+        raise ValueError(f"{run_dir}: every checkpoint is damaged (the newest, {os.path.basename(newest)}: "
+                         f"{problems[newest]}); pass a .pt export or another run folder")
+    skipped = sorted(p for p in problems if os.path.basename(p) > os.path.basename(path))
+    if skipped:
+        print(f"{run_dir}: using {os.path.basename(path)}; newer but damaged: "
+              + "; ".join(f"{os.path.basename(p)} ({problems[p]})" for p in skipped), file=sys.stderr)
+    return path, meta
 
 
 def load_model(path, device="cpu", attn_backend=None, verify=True):
@@ -777,14 +859,13 @@ def load_model(path, device="cpu", attn_backend=None, verify=True):
     checkpoint. verify=False skips the sha256 check of the checkpoint's files (a full read of them)."""
     found = find_checkpoints(path)
     if os.path.isdir(path) and found != [path]:  # a run folder
-        path, info = newest_intact(path, verify)
+        path, info = newest_in_run(path, verify)
     elif os.path.isdir(path):
-        # Read once: the settings returned are then those whose sha256s were checked, even if
-        # the file is replaced meanwhile.
-        info = read_meta(path)
-        problem = checksum_problem(path, info) if verify else None
-        if problem:
-            raise ValueError(f"{path}: damaged checkpoint ({problem}); pass another checkpoint")
+        # meta.json read once: the settings returned are then those whose sha256s were checked,
+        # even if the file is replaced meanwhile.
+        _, info, passed = newest_intact([path], sums_check(verify))
+        if info is None:
+            raise ValueError(f"{path}: damaged checkpoint ({passed[0][1]}); pass another checkpoint")
     if os.path.isfile(path):
         if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; its error would only say "weights only"
             raise ValueError(f"{path}: not a torch file (no zip archive in it: random bytes or a truncated copy); "
@@ -817,8 +898,10 @@ def load_model(path, device="cpu", attn_backend=None, verify=True):
             except (Exception, CheckpointException) as e:  # bytes damaged in place: the sizes were right, the contents not
                 raise ValueError(f"{path}: its weights could not be read ({load_error(e)}); the checkpoint is "
                                  f"damaged: pass another one") from None
-    if attn_backend or (net.cfg.attn_backend == "flex" and not str(device).startswith("cuda")):
-        # Flex kernels are CUDA-only here; sdpa shares its mask definition (model.py).
+    if attn_backend or net.cfg.attn_backend == "varlen" or \
+            (net.cfg.attn_backend == "flex" and not str(device).startswith("cuda")):
+        # Flex kernels are CUDA-only here, varlen's also bf16/fp16-only (the model loads in fp32);
+        # sdpa shares their mask definition (model.py).
         net.set_attn_backend(attn_backend or "sdpa")
     info["path"] = path
     return net.eval(), info
@@ -830,23 +913,21 @@ def export(ckpt_dir, out_file):
         raise ValueError(f"export: {ckpt_dir} is not a complete checkpoint folder (no meta.json); "
                          f"pass an out_dir/ckpt_XXXXXXXX folder")
     net, info = load_model(ckpt_dir)  # the one loading path: one process reads every shard
-    payload = {"model": net.state_dict(), **{k: info[k] for k in ("model_config", "config", "step", "data_meta")}}
+    payload = {"model": net.state_dict(), **{k: info[k] for k in ("model_config", "config", "step", "data_meta",
+                                                                 "code_version") if k in info}}
     with atomic_open(out_file) as f:
         torch.save(payload, f)
     print(f"exported {ckpt_dir} (step {info['step']}) -> {out_file}")
 
 
 
-def truncate_metrics(path, step):
-    """On resume, drop rows the killed run wrote after its last checkpoint: they are redone. Only
-    the last line can be half-written (the file is only appended to, and cut here at every start):
-    it is dropped. Any other line that is not a row is a one-line error, the file left as it was:
-    dropping it would rewrite the run's history unasked."""
-    try:
-        with os.fdopen(open_in_run_dir(path, os.O_RDONLY), "rb") as f:
-            lines = f.readlines()
-    except FileNotFoundError:
-        return
+def metrics_rows(path):
+    """metrics.jsonl as [(line, row)] (train.py's resume, sweep.py's result rows), read without
+    following a symlink. Only the last line can be half-written (the file is only appended to, and
+    cut at every start): it is dropped. Any other line that is not a row is a one-line error: skipping
+    it would rewrite or misreport the run's history unasked."""
+    with os.fdopen(open_in_run_dir(path, os.O_RDONLY), "rb") as f:
+        lines = f.readlines()
     rows = []
     for n, line in enumerate(lines, 1):
         try:
@@ -860,10 +941,20 @@ def truncate_metrics(path, step):
             raise ValueError(f"{path} line {n} is not a metrics row ({text!r}: "
                              f"a row is a JSON object with an integer step): repair or delete that line and rerun "
                              f"(nothing was changed)")
-        if row["step"] <= step:
-            # a whole last row without its newline (a full disk) would have the next row appended to it
-            rows.append(line if line.endswith(b"\n") else line + b"\n")
-    atomic_write_bytes(path, rows)
+        rows.append((line, row))
+    return rows
+
+
+def truncate_metrics(path, step):
+    """On resume, drop rows the killed run wrote after its last checkpoint (they are redone) and a
+    half-written last one (metrics_rows)."""
+    try:
+        rows = metrics_rows(path)
+    except FileNotFoundError:
+        return
+    # a whole last row without its newline (a full disk) would have the next row appended to it
+    atomic_write_bytes(path, [line if line.endswith(b"\n") else line + b"\n" for line, row in rows
+                              if row["step"] <= step])
 
 
 def scalars(row, prefix=""):

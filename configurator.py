@@ -2,7 +2,7 @@
 Settings from Python config files and --key=value, over a dict of defaults (nanoGPT's
 configurator.py, as functions). train.py owns the settings and their checks; this file only
 knows how to read them, so eval.py and sweep.py read a value as train.py does without importing
-train.py. It imports nothing of the project.
+train.py (and check a command line's count flags alike: at_least). It imports nothing of the project.
 
     cfg = configure(DEFAULTS, ["config/a.py", "--lr=3e-3", "--weight_decay.matrix=0.3"], ALIASES)
 
@@ -12,6 +12,7 @@ else a string) and --key.item=value (one entry of a dict setting) override. An u
 value of the wrong type is one line naming where it came from.
 """
 
+import argparse
 import ast
 import builtins
 import copy
@@ -27,6 +28,18 @@ def parse_value(text):
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
         return text
+
+
+def at_least(minimum):
+    """argparse type of a size or count flag: an int >= minimum, refused when the command line is
+    read (a batch size of 0 divides by zero later; a token budget of 0 reads a batch anyway)."""
+    def parse(text):
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
+        return value
+    parse.__name__ = "int"  # argparse's message for a non-number: "invalid int value: 'x'"
+    return parse
 
 
 def check_type(key, value, default):

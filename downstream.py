@@ -15,13 +15,15 @@
   solution against the completion, when the package is installed) and exact_match = this repo's
   normalisation of the "final answer is" (else the last boxed/number) against the reference
   answer, which is not lm-eval's sympy-based one.
-- anchor: the synthetic anchor-function task of prepare_data.py.
+- anchor: the synthetic anchor-function task of anchor.py.
 
-A prompt longer than the model allows (max_seq_len, minus --max-new-tokens when generating) is
-an error naming the sizes; --truncate left cuts its oldest tokens, as lm-eval does silently,
-and the summary counts how many items were cut.
+A prompt longer than the model allows (max_seq_len, minus the new tokens when generating:
+generation_budget) is an error naming the sizes; --truncate left cuts its oldest tokens, as
+lm-eval does silently, and the summary counts how many items were cut.
+
+`eval.py lm-eval-task` writes lm-eval's own task for a local file (lm_eval_task), the offline
+route to running lm-eval itself on these benchmarks.
 """
-import argparse
 import bz2
 import json
 import os
@@ -31,10 +33,13 @@ from fractions import Fraction
 import numpy as np
 import torch
 
+from analysis import capture_attention, token_logprobs
+from anchor import ANCHOR_SHIFTS, anchor_accuracy, anchor_answer_kinds, anchor_fields
 from checkpoint import load_model
-from model import GPT, capture_attention, generate, token_logprobs
-from prepare_data import (ANCHOR_SHIFTS, anchor_accuracy, anchor_answer_kinds, anchor_fields, check_model_vocab, get_tokenizer, load_meta,
-                          progress_bar, read_records)
+from configurator import at_least
+from data import check_model_vocab, get_tokenizer, load_meta, progress_bar, read_records
+from fileio import atomic_write_bytes
+from model import GPT, generate
 
 # ----------------------------------------------------------------------------- a checkpoint's data and tokenizer
 # Here rather than in eval.py, which imports this file for `bench`: imports go one way.
@@ -57,7 +62,7 @@ def data_dir_of(args, info):
 
 
 def check_data_fits(data, model, info):
-    """train.py's check before it reads data (prepare_data.check_model_vocab), here before an
+    """train.py's check before it reads data (data.check_model_vocab), here before an
     analysis does: a gpt2 model on byte data scores a silent, meaningless loss (~10.8), a byte
     model on gpt2 data dies of an IndexError in the embedding."""
     try:
@@ -146,29 +151,34 @@ def split_text_context(line):
     return label, ctx[:cut].rstrip(), ctx[cut:]
 
 
-def read_hellaswag(source):
-    """(items {ctx, endings, label}, how the context was built) from the published jsonl (or hub
-    records: ctx_a/ctx_b exact) or llama.cpp's 6-line text format (context, label, four endings;
-    see shared/data/README), optionally bz2-compressed."""
+def hellaswag_records(source):
+    """(records in the published layout {ind, activity_label, ctx_a, ctx_b, endings, label}, how
+    ctx_b was obtained) from the published jsonl (or the hub: ctx_a/ctx_b exact) or llama.cpp's
+    6-line text format (context, label, four endings; see shared/data/README), optionally
+    bz2-compressed."""
     check_source(source, "hellaswag")
-    if source == "hub" or ".jsonl" in source:
-        if source == "hub":
-            records = load_hub("hellaswag", "Rowan/hellaswag", split="validation")
-        else:
-            opener = bz2.open if source.endswith(".bz2") else open
-            with opener(source, "rt", encoding="utf-8") as f:
-                records = [json.loads(line) for line in f if line.strip()]
-        items = [hellaswag_item(r["activity_label"], r["ctx_a"], r["ctx_b"], r["endings"], r["label"]) for r in records]
-        return items, "exact (ctx_a, ctx_b from the records)"
+    if source == "hub":
+        return load_hub("hellaswag", "Rowan/hellaswag", split="validation"), "exact (ctx_a, ctx_b from the records)"
     opener = bz2.open if source.endswith(".bz2") else open
     with opener(source, "rt", encoding="utf-8") as f:
+        if ".jsonl" in source:
+            return [json.loads(line) for line in f if line.strip()], "exact (ctx_a, ctx_b from the records)"
         lines = f.read().rstrip("\n").split("\n")
     if len(lines) % 6:
         raise ValueError(f"{source}: {len(lines)} lines is not a multiple of 6; expected the HellaSwag "
                          "text format (context, label, 4 endings per task) or a .jsonl file")
-    items = [hellaswag_item(*split_text_context(lines[i]), lines[i + 2:i + 6], lines[i + 1])
-             for i in range(0, len(lines), 6)]
-    return items, "text format: ctx_b taken as the unfinished last sentence"
+    records = []
+    for i in range(0, len(lines), 6):
+        label, ctx_a, ctx_b = split_text_context(lines[i])
+        records.append({"ind": i // 6, "activity_label": label, "ctx_a": ctx_a, "ctx_b": ctx_b,
+                        "endings": lines[i + 2:i + 6], "label": lines[i + 1]})
+    return records, "text format: ctx_b taken as the unfinished last sentence"
+
+
+def read_hellaswag(source):
+    """(items {ctx, endings, label}, how the context was built): hellaswag_records as scored."""
+    records, how = hellaswag_records(source)
+    return [hellaswag_item(r["activity_label"], r["ctx_a"], r["ctx_b"], r["endings"], r["label"]) for r in records], how
 
 
 def encode_pair(encode, context, continuation):
@@ -497,6 +507,27 @@ def check_exemplars_unscored(exemplars, records, args):
                          "--source (the published test sets hold none of them)")
 
 
+MAX_NEW_TOKENS = 256  # lm-eval's default max_gen_toks (neither gsm8k_cot nor minerva_math500 sets its own)
+
+
+def generation_budget(window, prompt_len, wanted):
+    """New tokens per completion: --max-new-tokens when given, else MAX_NEW_TOKENS where the window
+    holds them beside the prompt, else what the prompt leaves, but at least half the window (a
+    longer prompt is cut to the rest with --truncate left). A fixed 256 left a model of 256
+    positions no room for any prompt."""
+    if wanted is not None:
+        return wanted
+    return min(MAX_NEW_TOKENS, max(window - prompt_len, window // 2, 1))
+
+
+def budget_range(budgets):
+    """The summary's max_new_tokens: one number, or 'least-most' where the prompts' lengths set it."""
+    if not budgets:
+        return None
+    low, high = min(budgets), max(budgets)
+    return low if low == high else f"{low}-{high}"
+
+
 def generation_bench(model, tokenizer, args):
     encode, decode, eot_id = tokenizer
     convention = gsm8k_convention(args.fewshot_source, args.shots) if args.task == "gsm8k" else MINERVA
@@ -506,17 +537,19 @@ def generation_bench(model, tokenizer, args):
     verifier = math_verifier() if args.task == "math500" else None
     records = read_math_records(args.source, args.task)[:args.limit]
     check_exemplars_unscored(convention["exemplars"], records, args)
-    room, marker = model.cfg.max_seq_len - args.max_new_tokens, convention["stop"]
-    rows, truncated = [], 0
+    window, marker = model.cfg.max_seq_len, convention["stop"]
+    rows, truncated, budgets = [], 0, []
     for n, record in enumerate(progress_bar(records, desc=args.task)):
-        prompt, cut = fit_prompt(encode(few_shot_prompt(convention, record["question"])), room,
-                                 f"{args.task} item {n}'s prompt (+ --max-new-tokens {args.max_new_tokens})", args.truncate)
+        prompt = encode(few_shot_prompt(convention, record["question"]))
+        budget = generation_budget(window, len(prompt), args.max_new_tokens)
+        prompt, cut = fit_prompt(prompt, window - budget, f"{args.task} item {n}'s prompt (+ {budget} new tokens)",
+                                 args.truncate)
         truncated += cut
+        budgets.append(budget)
         # Checked after every token: the newest token and a short decoded tail only, not the
         # whole continuation (that would be quadratic in its length).
         stop = lambda toks: toks[-1] == eot_id or marker in decode(toks[-32:])
-        outs = generate(model, prompt, args.max_new_tokens, args.num_samples, args.temperature, args.top_k,
-                        args.seed, stop)
+        outs = generate(model, prompt, budget, args.num_samples, args.temperature, args.top_k, args.seed, stop)
         # lm-eval's `until`: the completion ends where the model starts the next exemplar.
         texts = [decode([t for t in o if t != eot_id]).split(marker)[0] for o in outs]
         scored = [score_completion(args.task, convention, record, t, verifier) for t in texts]
@@ -533,6 +566,7 @@ def generation_bench(model, tokenizer, args):
                or k.startswith("maj_")] if rows else []
     summary = {"task": args.task, "convention": convention["name"], "problems": len(rows),
                **{m: float(np.mean([r[m] for r in rows])) for m in metrics}, "truncated": truncated,
+               "max_new_tokens": budget_range(budgets),
                "temperature": args.temperature, "num_samples": args.num_samples}
     if args.task == "math500" and verifier is None:
         summary["math_verify"] = "not installed (pip install math-verify)"
@@ -567,7 +601,7 @@ def heldout_shares(records, predictions, meta):
 
 def anchor_key_positions(records):
     """Where each record's key sits among its inputs: the token before the first anchor (1..4),
-    as prepare_data.anchor_records writes them (key at p, the pair at p+1 and p+2; fillers and
+    as anchor.anchor_records writes them (key at p, the pair at p+1 and p+2; fillers and
     keys are never anchors, check_anchor_task refuses such ranges)."""
     inputs = np.asarray(records, np.int64)[:, :-1]
     return ((inputs >= 1) & (inputs <= max(ANCHOR_SHIFTS))).argmax(1) - 1
@@ -603,7 +637,7 @@ def anchor_scores(model, data_dir):
     """The anchor-function task: accuracy on seen pairs (train keys: val split; unseen keys: test
     split) and, on the held-out pair, the share of inferential (composite) vs symmetric (the
     mirror pair's rule) answers, on all keys and on trained keys; scoring rules live with the
-    generator in prepare_data.py."""
+    generator in anchor.py."""
     meta = load_meta(data_dir)
     if "anchor" not in meta:
         raise ValueError(f"{data_dir} is not an anchor-task folder; make one with `python prepare_data.py anchor`")
@@ -626,19 +660,56 @@ def anchor_scores(model, data_dir):
     return summary, rows
 
 
+# ----------------------------------------------------------------------------- eval.py lm-eval-task
+
+# Our task -> (lm-eval's own task file, under lm_eval/tasks/; the local task's name; the split it scores).
+LM_EVAL_TASKS = {"hellaswag": ("hellaswag/hellaswag.yaml", "hellaswag_local", "validation"),
+                 "gsm8k": ("gsm8k/gsm8k-cot.yaml", "gsm8k_cot_local", "test"),
+                 "math500": ("minerva_math/minerva_math500.yaml", "minerva_math500_local", "test")}
+
+
+def lm_eval_task(task, source, folder, limit=None):
+    """lm-eval's own task, fed a local file instead of the hub: folder/NAME.jsonl holds the records
+    in the layout the task reads (HellaSwag's text format converted, ctx_b recovered as bench
+    does) and folder/NAME.yaml includes the installed lm-eval's task file, so prompt, exemplars,
+    filters and metrics stay lm-eval's and only the data's origin changes. Returns (NAME, yaml)."""
+    if source == "hub":
+        raise ValueError(f"--source hub: lm_eval reads the hub itself (its task {LM_EVAL_TASKS[task][0]}); "
+                         "lm-eval-task is for a local file")
+    try:
+        import lm_eval
+    except ImportError:
+        raise ImportError("lm-eval-task needs lm-eval: pip install lm-eval (or pip install '.[eval]')") from None
+    official, name, split = LM_EVAL_TASKS[task]
+    official = os.path.join(os.path.dirname(lm_eval.__file__), "tasks", official)
+    if not os.path.isfile(official):
+        raise ValueError(f"the installed lm-eval has no {official}: install lm-eval 0.4.x (pip install '.[eval]')")
+    if task == "hellaswag":
+        records = hellaswag_records(source)[0]
+    else:
+        check_source(source, task)
+        records = read_jsonl(source)
+    os.makedirs(folder, exist_ok=True)
+    data, yaml = (os.path.join(os.path.abspath(folder), name + ext) for ext in (".jsonl", ".yaml"))
+    atomic_write_bytes(data, [json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in records[:limit]])
+    # Paths as JSON strings: valid YAML double-quoted scalars whatever characters a path holds.
+    # The data file is absolute: lm-eval resolves data_files against its working directory. No
+    # tag: the local task joins none of lm-eval's groups; no training split: there is no train
+    # file, and the few-shot tasks take their exemplars from the task file itself.
+    atomic_write_bytes(yaml, [f"include: {json.dumps(official)}\ntask: {name}\ntag: []\ndataset_path: json\n"
+                              f"dataset_name: null\ndataset_kwargs:\n  data_files:\n    {split}: {json.dumps(data)}\n"
+                              "training_split: null\n".encode()])
+    return name, yaml
+
+
+def run_lm_eval_task(args):
+    name, yaml = lm_eval_task(args.task, args.source, args.out_dir, args.limit)
+    print(f"wrote {yaml} and its data; lm-eval runs it on an HF export (train.py export RUN HF_FOLDER --format hf):\n"
+          f"lm_eval --model hf --model_args pretrained=HF_FOLDER,trust_remote_code=True,dtype=float32 "
+          f"--include_path {args.out_dir} --tasks {name}")
+
+
 # ----------------------------------------------------------------------------- command line (eval.py bench)
-
-def at_least(minimum):
-    """argparse type of a size or count flag: an int >= minimum, refused when the command line is
-    read (a batch size of 0 divides by zero later; a token budget of 0 reads a batch anyway)."""
-    def parse(text):
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
-        return value
-    parse.__name__ = "int"  # argparse's message for a non-number: "invalid int value: 'x'"
-    return parse
-
 
 def add_arguments(p):
     """The options of `eval.py bench` (its parser gives ckpt, --device, --seed, --json-out, --data)."""
@@ -654,8 +725,9 @@ def add_arguments(p):
                    help="gsm8k: exemplars (default 8 of the published set, 5 with --fewshot-source)")
     p.add_argument("--fewshot-source", help="gsm8k: a jsonl of train records; its first --shots are the exemplars "
                    "(one that is also a scored --source item is refused)")
-    p.add_argument("--max-new-tokens", type=at_least(1), default=256,
-                   help="gsm8k/math500: tokens per completion, at most")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=None,
+                   help=f"gsm8k/math500: tokens per completion, at most (default: {MAX_NEW_TOKENS} where the model's "
+                   "window holds them beside the prompt, else what the prompt leaves, at least half the window)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=at_least(1), default=None, help="sample from the k most likely tokens only "
                    "(default: all)")

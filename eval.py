@@ -8,7 +8,8 @@
     python eval.py residual --init --widths 64 128 256 branch RMS exponent at init vs width
     python eval.py bench    CKPT --task hellaswag|gsm8k|math500|anchor   (downstream.py)
     python eval.py scaling  --baseline A.json ... --compare B.json ...   L(N) = a N^-α + c
-    python eval.py report   results/*.json --out report.md
+    python eval.py report   out/*.json --out out/report.md
+    python eval.py lm-eval-task --task hellaswag --source FILE   lm-eval's task on a local file
     python eval.py sample   CKPT --prompt "Once upon a time"
 
 CKPT is a consolidated export (`train.py export`, a .pt file), one DCP checkpoint folder
@@ -34,12 +35,12 @@ import torch
 
 import downstream
 from checkpoint import find_checkpoints, load_model
-from configurator import parse_value
-from downstream import at_least, check_data_fits, data_dir_of, tokenizer_of
+from configurator import at_least, parse_value
+from data import TokenLoader, load_meta, progress_bar
+from downstream import check_data_fits, data_dir_of, tokenizer_of
+from analysis import capture_attention, cosine_stats, row_cosines, stable_rank, token_logprobs, trace_residual
 from fileio import atomic_write_bytes, write_json
-from model import (GPT, capture_attention, config_for, cosine_stats, document_ids, generate, init_model_, row_cosines,
-                   stable_rank, token_logprobs, trace_residual)
-from prepare_data import TokenLoader, load_meta, progress_bar
+from model import GPT, config_for, document_ids, generate, init_model_
 
 
 # ----------------------------------------------------------------------------- output helpers
@@ -149,8 +150,8 @@ def check_memory(needs, what, fix):
 
 # ----------------------------------------------------------------------------- reading checkpoints and data
 # load_model (train.py) is the one checkpoint reader; every analysis below starts here.
-# token_logprobs and generate live in model.py, data_dir_of and tokenizer_of in downstream.py:
-# imports go one way, eval.py -> downstream.py -> model.py.
+# token_logprobs lives in analysis.py, generate in model.py, data_dir_of and tokenizer_of in downstream.py:
+# imports go one way, eval.py -> downstream.py -> analysis.py -> model.py.
 
 def seq_len_of(wanted, info, max_seq_len):
     """wanted (--seq-len), else the length the run trained at, else the model's window; never
@@ -376,7 +377,7 @@ def run_sink(args):
 
 
 # ----------------------------------------------------------------------------- weight structure
-# stable_rank, row_cosines and cosine_stats live in model.py: train.py logs them too.
+# stable_rank, row_cosines and cosine_stats live in analysis.py: train.py logs them too.
 
 def weight_matrices(state):
     """(name, 2-D matrix with one neuron per row) for every weight matrix of a state dict.
@@ -972,6 +973,22 @@ def sweep_plots(result, stem, args):
     return lines
 
 
+def read_result(path):
+    """(result, None) for an eval.py --json-out or sweep.py result file, else (None, why not)."""
+    with open(path, "rb") as f:  # a missing file is an error (a typo), not a skip
+        text = f.read()
+    try:
+        result = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return None, f"not JSON ({e})"
+    if not (isinstance(result, dict) and isinstance(result.get("analysis"), str)
+            and isinstance(result.get("summary"), dict)):
+        return None, "not an eval.py --json-out or sweep.py result (no 'analysis' and 'summary')"
+    if result["analysis"] == "sweep" and not isinstance(result.get("rows"), list):
+        return None, "a sweep result without its 'rows'"
+    return result, None
+
+
 def run_report(args):
     if args.plot_y and args.plot_x in (None, "arm"):
         raise ValueError("--plot-y draws a heatmap over two settings: give --plot-x a setting too (e.g. gamma)")
@@ -979,9 +996,16 @@ def run_report(args):
         raise ValueError("--plot-together draws the sweeps' rows in one plot: give --plot-x too (e.g. lr)")
     groups = {}
     for path in args.results:
-        with open(path) as f:
-            result = json.load(f)
+        result, why = read_result(path)
+        if why:
+            # `report results/*.json` meets the study's other JSON files (bench timings, data
+            # fingerprints): named and passed over, not a KeyError on the first of them.
+            print(f"skipped {path}: {why}", file=sys.stderr)
+            continue
         groups.setdefault(result["analysis"], []).append((path, result))
+    if not groups:
+        raise ValueError(f"none of the {len(args.results)} file(s) is an eval.py --json-out or sweep.py result: "
+                         "pass those (e.g. out/*.json)")
     lines, sweeps = [], groups.pop("sweep", [])
     for path, result in sweeps:
         lines += [f"### sweep {result['name']} ({os.path.basename(path)}; {result['summary']['finished']} of "
@@ -1034,7 +1058,7 @@ def run_sample(args):
 # ----------------------------------------------------------------------------- command line
 
 def finite_at_least(minimum, maximum=math.inf):
-    """argparse type of a real-valued flag, like downstream.at_least for counts: float() takes 'nan'
+    """argparse type of a real-valued flag, like configurator.at_least for counts: float() takes 'nan'
     and 'inf', and a nan temperature died in torch.multinomial, a negative one sampled the least
     likely tokens, a nan threshold counted no head."""
     def parse(text):
@@ -1109,6 +1133,14 @@ def build_parser():
     p = command("bench", downstream.run_bench, "HellaSwag, GSM8K, MATH-500 (lm-eval's definitions) or the anchor task",
                 data="folder")
     downstream.add_arguments(p)
+    p = command("lm-eval-task", downstream.run_lm_eval_task, "lm-eval's own task on a local benchmark file "
+                "(the offline route to lm_eval)", ckpt=False, output=False, runs_model=False)
+    p.add_argument("--task", required=True, choices=sorted(downstream.LM_EVAL_TASKS),
+                   help="hellaswag, gsm8k (lm-eval gsm8k_cot) or math500 (lm-eval minerva_math500)")
+    p.add_argument("--source", required=True, help="the local file in its published format (as bench --source)")
+    p.add_argument("--out-dir", default="out/lm_eval_tasks", help="folder of the task yaml and its jsonl "
+                   "(lm_eval --include_path)")
+    p.add_argument("--limit", type=at_least(1), default=None, help="only the first N items")
     p = command("scaling", run_scaling, "fit L(N) = a N^-α + c; effective size of compared runs", ckpt=False, plot=True,
                 runs_model=False)
     p.add_argument("--baseline", nargs="+", required=True, help="loss JSONs (or N=loss) of the baseline sizes")

@@ -1,20 +1,24 @@
 """
 The first contact with a GPU in one command: every CUDA path of the repo on one H100/H200 in about
-4 minutes (measured on an H200), one summary table, and results/gpu_check.json.
+6 minutes (4 measured on an H200 with three tests and a bench step of four variants; five tests
+and ten variants add ~2, estimated), one summary table, and results/gpu_check.json.
 
     make gpu-check                 # = python gpu_check.py
     python gpu_check.py --dry-run  # the plan; every command's arguments checked here, on CPU
 
 Steps, each a subprocess with its own time limit (a failed one is reported, the next still runs),
 correctness first and speed last, so that a lease cut short still brings back the checks:
-  tests    tests/test_cuda.py: compiled Flex vs SDPA forward and backward, bf16 grouped experts
+  tests    tests/test_cuda.py: compiled Flex vs SDPA forward and backward, the varlen backend vs
+           SDPA and Flex (bf16) and compiled, bf16 grouped experts
   data     byte-level shards made from this repository's own text (no download)
   train    torchrun --nproc_per_node=1 train.py config/gamma1_0p1b.py, 50 steps, flex + bf16 +
            compile, a checkpoint at the end; its peak memory against train.py's own estimate
   export   that checkpoint as a HF folder, loaded back by transformers on the GPU and compared
            with model.py's logits
   bench    bench.py --suite cuda, shortened: the default model vs the plain GPT at 0.1B and 1.5B
-           (bf16, compiled, flex), tokens/s and MFU
+           (bf16, compiled, flex), tokens/s and MFU; at 0.1B also without the gate, with each
+           of model.py's fast paths undone (RoPE form, fused GEMMs, chunked loss) and, uncompiled,
+           with the varlen attention backend in place of flex
 --budget S caps the whole check (a step's limit shrinks to the time left); the summary JSON is
 rewritten after every step. Without CUDA (and without --dry-run) it exits 1 with one line.
 """
@@ -29,7 +33,11 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PY = sys.executable
-BENCH = ["bench.py", "--suite", "cuda", "--variants", "0.1b/reference,0.1b/default,1.5b/reference,1.5b/default",
+# The headline pair at both sizes, and at 0.1B what the gate and each fast path of model.py cost
+# or save, and the varlen kernel against flex (rope-halves and uncompiled-varlen are eager:
+# compare them with uncompiled).
+BENCH = ["bench.py", "--suite", "cuda", "--variants", "0.1b/reference,0.1b/default,0.1b/gate-none,0.1b/separate-gemms,"
+         "0.1b/full-loss,0.1b/uncompiled,0.1b/rope-halves,0.1b/uncompiled-varlen,1.5b/reference,1.5b/default",
          "--steps", "5", "--repeats", "2", "--warmup", "2"]
 # The 0.1B recipe at a token budget one GPU does in a minute: 50 steps of 16 x 1024 byte tokens.
 TRAIN = ["train.py", "config/gamma1_0p1b.py", "--attn_backend=flex", "--compile=True", "--max_steps=50",
@@ -48,7 +56,7 @@ def commands(work):
                    f"--data_dir={data}", f"--out_dir={run}", "--resume=False"], 300),
         ("export", [PY, "train.py", "export", os.path.join(run, "ckpt_00000050"), os.path.join(work, "hf"),
                     "--format", "hf"], 120),
-        ("bench", [PY, *BENCH, "--json-out", os.path.join(work, "bench.json")], 300),
+        ("bench", [PY, *BENCH, "--json-out", os.path.join(work, "bench.json")], 420),
     ]
 
 

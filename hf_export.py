@@ -2,27 +2,30 @@
 
     config.json, model.safetensors, generation_config.json   the model
     tokenizer.json, tokenizer_config.json                     the run's tokenizer (byte-level or tiktoken)
-    modeling_smallinit.py                                     only for models Llama cannot express
+    modeling_smallinit.py, model.py, init.py                  only for models Llama cannot express
     smallinit_export.json                                     marks the folder as an export, the only kind
                                                               a later export into it replaces
 
 A dense causal SwiGLU model without the attention gate is exactly LlamaForCausalLM (fp32 RMSNorm
 with the same eps, RoPE on the pairs (i, i + head_dim/2), GQA head groups in the same order), so
 it exports as one, with no remote code. Gated attention, MoE, a GELU MLP and document masking
-need modeling_smallinit.py (trust_remote_code=True), whose parameter names are model.py's.
+need modeling_smallinit.py (trust_remote_code=True), which wraps the folder's copy of model.py:
+the safetensors file is model.py's state dict.
 The tokenizer is the run's tiktoken encoding rewritten as a byte-level BPE (`tokenizers`), so
 AutoTokenizer gives the ids prepare_data.py gave; `bytes` is the same BPE with no merges.
 """
+import ast
 import errno
 import importlib
 import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 
 from checkpoint import load_model
-from prepare_data import get_tokenizer
+from data import get_tokenizer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 MODELING_FILE = "modeling_smallinit.py"
@@ -88,14 +91,53 @@ def model_config(cfg, eot_id):
         return LlamaConfig(**common, intermediate_size=cfg.d_ff, hidden_act="silu", head_dim=cfg.head_dim,
                            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
                            attention_bias=False, mlp_bias=False), "LlamaForCausalLM"
-    from modeling_smallinit import SmallInitConfig
-    config = SmallInitConfig(**common, intermediate_size=cfg.d_ff, mlp=cfg.mlp, attn_gate=cfg.attn_gate,
-                             rope_theta=cfg.rope_theta, doc_mask=cfg.doc_mask, eot_id=cfg.eot_id,
-                             n_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k, d_expert=cfg.d_expert,
-                             router_score=cfg.router_score)
+    from modeling_smallinit import GPT_FIELDS, SmallInitConfig
+    config = SmallInitConfig(**{hf: getattr(cfg, ours) for hf, ours in GPT_FIELDS.items()}, eos_token_id=eot_id,
+                             pad_token_id=eot_id)
     config.auto_map = {"AutoConfig": "modeling_smallinit.SmallInitConfig",
                        "AutoModelForCausalLM": "modeling_smallinit.SmallInitForCausalLM"}
     return config, "SmallInitForCausalLM"
+
+
+# What the remote code may import besides its own files: what every loader of the folder has.
+LOADER_PACKAGES = {"torch", "transformers"}
+
+
+def remote_code():
+    """{file name: source} of the remote code: modeling_smallinit.py and the project files it imports,
+    model.py and what model.py imports (init.py). transformers loads the folder as a package and
+    copies into it only the files imported relatively, by lines starting `from .FILE import`, so a
+    project import is made relative on the way: left as `from init import`, it would load the repo's
+    init.py where the repo is on the path, and fail everywhere else."""
+    project = {name[:-3] for name in os.listdir(ROOT) if name.endswith(".py")}
+    sources, todo = {}, [MODELING_FILE[:-3]]
+    while todo:
+        name = todo.pop()
+        with open(os.path.join(ROOT, name + ".py"), encoding="utf-8") as f:
+            lines = f.read().splitlines(keepends=True)
+        for node in ast.walk(ast.parse("".join(lines))):
+            if isinstance(node, ast.Import):
+                imported = [(alias.name, 0) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                imported = [(node.module or "", node.level)]
+            else:
+                continue
+            for module, level in imported:
+                top, where = module.split(".")[0], f"{name}.py line {node.lineno}"
+                if level or top in project:
+                    form = re.compile(rf"(\s*from\s+)\.?{re.escape(top)}(\s+import\b)")
+                    if not (isinstance(node, ast.ImportFrom) and level <= 1 and module == top and top in project
+                            and form.match(lines[node.lineno - 1])):
+                        raise ValueError(f"{where}: import a project file as `from FILE import NAME` at the start "
+                                         "of a line, the one form a HF export carries")
+                    lines[node.lineno - 1] = form.sub(rf"\1.{top}\2", lines[node.lineno - 1], count=1)
+                    if top + ".py" not in sources and top not in todo:
+                        todo.append(top)
+                elif top not in LOADER_PACKAGES and top not in sys.stdlib_module_names:
+                    raise ValueError(f"{where} imports {top}, which a HF export cannot carry: its files may "
+                                     f"import {', '.join(sorted(LOADER_PACKAGES))} and the standard library")
+        sources[name + ".py"] = "".join(lines)
+    return sources
 
 
 def byte_chars():
@@ -244,14 +286,16 @@ def export_hf(ckpt, out_dir, tokenizer_dir=None):
     generation = GenerationConfig(eos_token_id=meta["eot_id"], pad_token_id=meta["eot_id"], do_sample=False)
     # Anchor-task ids are not text: that model ships without a tokenizer.
     enc = None if meta["tokenizer"] == "anchor" else get_tokenizer(meta["tokenizer"], tokenizer_dir)
+    code = {} if arch == "LlamaForCausalLM" else remote_code()
 
     def write(folder):
         config.save_pretrained(folder)
         generation.save_pretrained(folder)
         tensors = {k: v.detach().float().contiguous() for k, v in state.items()}
         safetensors_torch.save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-        if arch != "LlamaForCausalLM":
-            shutil.copy(os.path.join(ROOT, MODELING_FILE), folder)
+        for name, source in code.items():
+            with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+                f.write(source)
         if enc is not None:
             hf_tokenizer(enc, cfg.max_seq_len).save_pretrained(folder)
 

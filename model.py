@@ -10,16 +10,19 @@ The smallinit model: a pre-norm decoder (dense or MoE) built to test small initi
   and lets a head output ~nothing without parking its probability mass on a sink token.
 - Attention backends that share ONE mask definition: flex (FlexAttention, block mask built once
   per batch), sdpa (dense mask from the same mask_mod: the CPU training path, since Flex has no
-  CPU backward) and eager (explicit softmax; its probabilities can be captured for analysis).
+  CPU backward), eager (explicit softmax; its probabilities can be captured for analysis) and
+  varlen (flash-attention's varlen kernel on the packed documents; CUDA, bf16/fp16 only).
 - MoE: token-choice top-k, dropless, experts stored as stacked (E, d_in, d_out) weights, computed
   with torch._grouped_mm or a reference loop; balanced by an aux-loss-free selection bias and/or
   an auxiliary loss.
 """
 
 import functools
+import importlib
+import inspect
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +35,7 @@ from init import gamma_init_
 MLP_KINDS = ("swiglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")
 ATTN_GATES = ("elementwise", "headwise", "none")
-ATTN_BACKENDS = ("flex", "sdpa", "eager")
+ATTN_BACKENDS = ("flex", "sdpa", "eager", "varlen")
 ROUTER_SCORES = ("softmax", "sigmoid")
 MOE_IMPLS = ("grouped", "reference")
 
@@ -50,7 +53,7 @@ class GPTConfig:
     norm: str = "rmsnorm"           # or "layernorm" (mean-centred, with a bias); same eps rule
     norm_eps: float = 1e-12
     attn_gate: str = "elementwise"
-    attn_backend: str = "sdpa"
+    attn_backend: str = "sdpa"      # one of ATTN_BACKENDS; varlen: CUDA and bf16/fp16 activations only
     doc_mask: bool = False          # document-causal attention; documents end at eot_id
     eot_id: int = -1
     rope_theta: float = 10000.0
@@ -186,10 +189,10 @@ def make_norm(cfg):
 
 def rope_cos_sin(start, seq_len, head_dim, theta, device):
     """cos/sin of the rotation angles of positions start..start+seq_len-1, (seq_len, head_dim/2).
-    Computed in fp32 inside each attention call (T x head_dim/2, negligible next to the
-    matmuls) rather than stored as a buffer or passed between blocks: a meta-device build then
-    needs no buffer re-initialisation, and FSDP2's mixed precision, which casts floating
-    inputs of each block to bf16, never rounds the angles."""
+    Computed in fp32 once per attention call, for q and k together (T x head_dim/2, negligible
+    next to the matmuls), rather than stored as a buffer or passed between blocks: a meta-device
+    build then needs no buffer re-initialisation, and FSDP2's mixed precision, which casts
+    floating inputs of each block to bf16, never rounds the angles."""
     inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     positions = torch.arange(start, start + seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
@@ -197,12 +200,17 @@ def rope_cos_sin(start, seq_len, head_dim, theta, device):
 
 
 def apply_rope(x, cos, sin):
-    # Rotates the pairs (i, i + head_dim/2): x is (B, T, H, head_dim), the projection's own
-    # contiguous layout (on the (B, H, T, head_dim) transpose every elementwise op strides),
-    # and cos/sin are (T, head_dim/2), broadcast over the heads.
-    cos, sin = cos[:, None], sin[:, None]
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+    # Rotates the pairs (i, i + head_dim/2): x is (B, T, H, head_dim), the projection's layout
+    # (on the (B, H, T, head_dim) transpose every elementwise op strides), and cos/sin are
+    # (T, head_dim/2), broadcast over the heads. As x * [cos, cos] + [x2, x1] * [-sin, sin]:
+    # only the (T, head_dim) tables are concatenated, not half-width results, yet the values are
+    # bitwise [x1 cos - x2 sin, x1 sin + x2 cos] (IEEE a + (-b) is a - b, and + commutes,
+    # exactly). The result keeps x's 4-D shape: inductor's CPU flex_attention template reads
+    # q's and k's buffers as (B, H, T, head_dim) and fails on a view of a 5-D one.
+    xf = x.float()
+    swapped = xf.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    cos, signed_sin = torch.cat([cos, cos], dim=-1)[:, None], torch.cat([-sin, sin], dim=-1)[:, None]
+    return (xf * cos + swapped * signed_sin).type_as(x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,11 +248,89 @@ def compile_once(fn):  # wrapped on first use, so importing model.py stays cheap
     return torch.compile(fn)
 
 
-def build_attention_mask(idx, cfg, backend, kv_cache=None):
-    """A BlockMask (flex), a dense bool mask (B|1, 1, T, T_kv) (sdpa/eager), or None for sdpa's
-    own causal kernel. With a KVCache the queries continue the cached sequence (dense only);
-    with document masking the cache must already hold idx's document ids (KVCache.add_documents)."""
+class VarlenMask(NamedTuple):
+    """The varlen backend's form of the mask: the packed B*T tokens cut into sequences at
+    cu_seqlens (int32, rising from 0 to B*T), each attended causally within itself only, none
+    longer than max_len."""
+    cu_seqlens: torch.Tensor
+    max_len: int
+
+
+def varlen_boundaries(idx, eot_id=None):
+    """cu_seqlens for idx (B, T) packed row after row: every row start b*T, given eot_id every
+    position after an end-of-text token inside a row (the documents of document_ids: a row that
+    starts mid-document starts a sequence, an end-of-text token closes its own), then B*T.
+    With documents the sequences are padded to a power-of-two count with empty ones."""
     B, T = idx.shape
+    starts = torch.zeros(B, T, dtype=torch.bool, device=idx.device)
+    starts[:, 0] = True
+    if eot_id is None:
+        slots = B
+    else:
+        starts[:, 1:] = idx[:, :-1] == eot_id
+        # The number of documents changes from batch to batch, and the length of cu_seqlens is
+        # an input shape of the compiled blocks: rounded up to a power of two, a run sees at most
+        # log2(B*T) + 1 lengths, so recompiles stay bounded (after the second, automatic dynamic
+        # shapes take over). The count costs one host sync per forward (not per layer). The
+        # padding repeats B*T: empty sequences, which flash-attention's varlen kernels skip (each
+        # thread block exits first thing when its rows lie past its sequence's length: forward
+        # `m_block * kBlockM >= actual_seqlen_q`, backward `n_block * kBlockN >= actual_seqlen_k`).
+        count = int(starts.sum())
+        slots = min(1 << (count - 1).bit_length(), B * T)
+    # size > count: at least one fill value, so the last entry is B*T.
+    return torch.nonzero_static(starts.flatten(), size=slots + 1, fill_value=B * T).flatten().int()
+
+
+# torch.nn.attention.varlen.varlen_attn, imported on first use (load_varlen): the import loads
+# torch._dynamo (~3 s), which importing model.py otherwise avoids.
+varlen_attn = None
+
+
+def load_varlen(cfg, device):
+    """Make varlen_attn ready for this model on this device, or raise ValueError in one line."""
+    global varlen_attn
+    if varlen_attn is None:
+        try:
+            varlen_attn = importlib.import_module("torch.nn.attention.varlen").varlen_attn
+        except (ImportError, AttributeError):
+            pass
+    # window_size=(-1, 0) is causal (torch 2.10's form was is_causal); enable_gqa came later and
+    # is passed only to a GQA model.
+    need = {"window_size"} | ({"enable_gqa"} if cfg.n_kv_head != cfg.n_head else set())
+    missing = need - (set(inspect.signature(varlen_attn).parameters) if varlen_attn else set())
+    if missing:
+        raise ValueError(f"attn_backend='varlen' needs torch.nn.attention.varlen.varlen_attn with "
+                         f"{', '.join(sorted(need))}, which torch {torch.__version__} lacks: upgrade torch "
+                         f"or use attn_backend='flex'")
+    if device.type != "cuda":
+        raise ValueError(f"attn_backend='varlen' runs flash-attention kernels, CUDA only, not {device.type}: "
+                         f"use attn_backend='sdpa' here")
+
+
+def varlen_attention(q, k, v, mask):
+    """Causal attention within each sequence of a VarlenMask by the flash-attention varlen kernel.
+    q (B, n_head, T, hd), k and v (B, n_kv_head, T, hd) as Attention.forward holds them; they go
+    in as (B*T, heads, hd), views of the projection's (B, T, heads, hd) layout."""
+    B, H, T, _ = q.shape
+    if q.is_cuda and q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"attn_backend='varlen' needs bf16 or fp16 activations, got {q.dtype}: train in bf16 "
+                         f"(train.py does on CUDA) or use attn_backend='flex'")
+    q, k, v = (t.transpose(1, 2).flatten(0, 1) for t in (q, k, v))
+    gqa = {"enable_gqa": True} if k.shape[1] != H else {}
+    cu, n = mask.cu_seqlens, mask.max_len
+    y = varlen_attn(q, k, v, cu, cu, n, n, window_size=(-1, 0), **gqa)
+    return y.unflatten(0, (B, T)).transpose(1, 2)
+
+
+def build_attention_mask(idx, cfg, backend, kv_cache=None):
+    """A BlockMask (flex), a VarlenMask (varlen), a dense bool mask (B|1, 1, T, T_kv) (sdpa/eager,
+    and any backend while decoding), or None for sdpa's own causal kernel. With a KVCache the
+    queries continue the cached sequence (dense only); with document masking the cache must
+    already hold idx's document ids (KVCache.add_documents)."""
+    B, T = idx.shape
+    if backend == "varlen" and kv_cache is None:
+        load_varlen(cfg, idx.device)
+        return VarlenMask(varlen_boundaries(idx, cfg.eot_id if cfg.doc_mask else None), T)
     start = 0 if kv_cache is None else kv_cache.length
     if cfg.doc_mask:
         if kv_cache is None:
@@ -258,7 +344,7 @@ def build_attention_mask(idx, cfg, backend, kv_cache=None):
         # Built once per batch and shared by every layer.
         build = compiled(create_block_mask, idx)
         return build(mask_mod, batch, None, T, T, device=idx.device)
-    if backend == "sdpa" and batch is None and start == 0:
+    if backend in ("sdpa", "varlen") and batch is None and start == 0:
         # Plain causal: SDPA's is_causal path can use the flash kernel; a dense mask cannot.
         return None
     return create_mask(mask_mod, batch or 1, 1, T, start + T, device=idx.device)
@@ -281,22 +367,38 @@ class Attention(nn.Module):
         # Identity tap: a forward hook on it sees the eager backend's attention probabilities.
         self.probs_tap = nn.Identity()
 
+    # A class attribute, so that a subclass can swap the form (bench.py times the textbook one).
+    rope = staticmethod(apply_rope)
+
+    def project(self, x):
+        """q, k, v as (B, T, heads, head_dim), from ONE GEMM: wq, wk and wv are concatenated at
+        run time, so parameters, init and checkpoints keep the three matrices. The gate keeps
+        its own GEMM: a forward hook on wg sees its logits."""
+        B, T, _ = x.shape
+        weights = (self.wq.weight, self.wk.weight, self.wv.weight)
+        q, k, v = F.linear(x, torch.cat(weights)).split([w.shape[0] for w in weights], dim=-1)
+        return (q.view(B, T, self.n_head, self.head_dim), k.view(B, T, self.n_kv_head, self.head_dim),
+                v.view(B, T, self.n_kv_head, self.head_dim))
+
     def forward(self, x, mask, kv=None):
         """mask: from build_attention_mask. kv: (k_cache, v_cache, start) while decoding: this
         call's keys/values are written at positions start.., and attention reads all cached so far."""
         B, T, _ = x.shape
         start = 0 if kv is None else kv[2]
+        q, k, v = self.project(x)
         cos, sin = rope_cos_sin(start, T, self.head_dim, self.rope_theta, x.device)
-        q = apply_rope(self.wq(x).view(B, T, self.n_head, self.head_dim), cos, sin).transpose(1, 2)
-        k = apply_rope(self.wk(x).view(B, T, self.n_kv_head, self.head_dim), cos, sin).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k, v = self.rope(q, cos, sin).transpose(1, 2), self.rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
         if kv is not None:
             k_cache, v_cache, _ = kv
             k_cache[:, :, start:start + T], v_cache[:, :, start:start + T] = k, v
             k, v = k_cache[:, :, :start + T], v_cache[:, :, :start + T]
         gqa = self.n_kv_head != self.n_head
         if isinstance(mask, BlockMask):
-            y = compiled(flex_attention, q)(q, k, v, block_mask=mask, enable_gqa=gqa)
+            # v as its own buffer, not a slice of the fused projection's rows: compiled on CPU,
+            # inductor's flex_attention template reads a strided value wrongly (errors of O(1)).
+            y = compiled(flex_attention, q)(q, k, v.contiguous(), block_mask=mask, enable_gqa=gqa)
+        elif isinstance(mask, VarlenMask):
+            y = varlen_attention(q, k, v, mask)
         elif self.cfg.attn_backend != "eager":
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         else:
@@ -326,8 +428,9 @@ class MLP(nn.Module):
         self.w_down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x):
-        if self.w_gate is not None:  # SwiGLU
-            return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        if self.w_gate is not None:  # SwiGLU: gate and up in one GEMM, over weights concatenated at run time
+            gate, up = F.linear(x, torch.cat([self.w_gate.weight, self.w_up.weight])).chunk(2, dim=-1)
+            return self.w_down(F.silu(gate) * up)
         return self.w_down(F.gelu(self.w_up(x)))
 
 
@@ -713,7 +816,7 @@ def sample_next(logits, temperature=0.0, top_k=None, generator=None):
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
 
 
-# Decoding and scoring with a trained model (eval.py sample, loss, ...; downstream.py's benchmarks).
+# Decoding with a trained model (eval.py sample, downstream.py's benchmarks).
 
 def generate(model, prompt, max_new_tokens, num_samples=1, temperature=0.0, top_k=None, seed=0, stop=None):
     """num_samples continuations of one prompt (token ids) by GPT.generate (KV cache). The
@@ -727,111 +830,9 @@ def generate(model, prompt, max_new_tokens, num_samples=1, temperature=0.0, top_
     return model.generate(idx, max_new_tokens, temperature, top_k, gen, stop)
 
 
-@torch.no_grad()
-def token_logprobs(model, x, y, chunk_elements=1 << 26):
-    """log p(y_t | x_≤t) per position (float32), 0 where y == −1 (masked).
-
-    The log-softmax is never materialised: per chunk of positions, the target's logit minus
-    the logsumexp, in float32, so the extra memory is one chunk of about chunk_elements
-    logits (256 MB) instead of fp32 copies of all (B, T, V) (~13 GB at V=100k, B=8, T=2048).
-    The model's own (B, T, V) logits stay: model.forward returns them whole."""
-    logits, _ = model(x)
-    B, T, V = logits.shape
-    step = max(1, chunk_elements // (B * V))
-    out = torch.empty(B, T, dtype=torch.float32, device=logits.device)
-    for s in range(0, T, step):
-        chunk = logits[:, s:s + step].float()
-        target = chunk.gather(2, y[:, s:s + step].clamp_min(0)[..., None]).squeeze(2)
-        out[:, s:s + step] = target - torch.logsumexp(chunk, dim=2)
-    return out * (y >= 0)
-
-
 def init_model_(model, gamma=1.0, seed=0, overrides=None):
     """γ-initialise every parameter (see init.py) and reset the MoE buffers; returns the report.
     Identical weights for any world size, and valid after building on meta + to_empty()."""
     report = gamma_init_(model, gamma=gamma, seed=seed, overrides=overrides)
     model.reset_buffers()
     return report
-
-
-# ---------------------------------------------------------------------------------------------
-# Analysis: forward hooks (no model code changes; use on an uncompiled model), then the
-# weight-structure metrics that train.py logs and eval.py's `weights` analysis reports.
-
-def _rms(t):
-    return t.detach().float().pow(2).mean().sqrt().item()
-
-
-@contextmanager
-def trace_residual(model):
-    """Per layer, one entry per forward: RMS of the residual stream entering the block and of
-    the attention and MLP branch updates added to it."""
-    records = [{"resid_rms": [], "attn_rms": [], "mlp_rms": []} for _ in model.layers]
-    handles = []
-    for rec, block in zip(records, model.layers):
-        handles += [
-            block.attn_norm.register_forward_hook(lambda m, args, out, rec=rec: rec["resid_rms"].append(_rms(args[0]))),
-            block.attn.register_forward_hook(lambda m, args, out, rec=rec: rec["attn_rms"].append(_rms(out))),
-            block.mlp.register_forward_hook(
-                # MoE returns (output, aux, counts): the branch update is the output.
-                lambda m, args, out, rec=rec: rec["mlp_rms"].append(_rms(out[0] if isinstance(m, MoE) else out))),
-        ]
-    try:
-        yield records
-    finally:
-        for h in handles:
-            h.remove()
-
-
-@contextmanager
-def capture_attention(model, reduce=None):
-    """Per layer, the (B, H, T, T) attention probabilities of the last forward (eager backend),
-    or reduce(probs) if given: reducing inside the hook keeps one layer's probabilities alive
-    at a time instead of all of them (~40 GB at 1.5B for B=8, T=2048)."""
-    if model.cfg.attn_backend != "eager":
-        raise ValueError("capture_attention needs the eager backend: call model.set_attn_backend('eager') first")
-    captured = [None] * len(model.layers)
-
-    def keep(i):
-        def hook(module, args, out):
-            captured[i] = out.detach() if reduce is None else reduce(out.detach())
-        return hook
-
-    handles = [block.attn.probs_tap.register_forward_hook(keep(i)) for i, block in enumerate(model.layers)]
-    try:
-        yield captured
-    finally:
-        for h in handles:
-            h.remove()
-
-
-# Weight structure: the condensation signal (rows aligning to a few directions, low stable rank).
-
-def stable_rank(w):
-    """‖W‖_F² / ‖W‖_2², via the Gram matrix of the smaller side (cheap for a 100k-row lm_head)."""
-    w = w.detach().double()
-    gram = w @ w.T if w.shape[0] <= w.shape[1] else w.T @ w
-    top = torch.linalg.eigvalsh(gram)[-1]
-    return (torch.trace(gram) / top).item()
-
-
-def row_cosines(w, max_rows=2048, seed=0):
-    """Cosine similarity between the rows of w (each row: one output neuron's input weights).
-
-    A V×V matrix for a 50k-token embedding would not fit, so large matrices use a fixed random
-    subset of rows: the off-diagonal averages are unbiased estimates of the full ones."""
-    w = w.detach().double()
-    if w.shape[0] > max_rows:
-        rows = torch.randperm(w.shape[0], generator=torch.Generator().manual_seed(seed))[:max_rows]
-        w = w[rows]
-    unit = w / w.norm(dim=1, keepdim=True).clamp_min(1e-300)
-    return unit @ unit.T
-
-
-def cosine_stats(cos, threshold=0.7):
-    """Mean |cos| off the diagonal and the fraction of row pairs with |cos| > threshold.
-
-    |cos| because condensation aligns rows to a few directions up to sign: w and −w span the
-    same feature, and a sign flip is absorbed by the next layer."""
-    off = cos[~torch.eye(cos.shape[0], dtype=torch.bool)].abs()
-    return {"mean_abs_cos": off.mean().item(), "frac_cos_gt": (off > threshold).double().mean().item()}

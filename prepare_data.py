@@ -1,6 +1,6 @@
 """
-Data for smallinit: text corpora -> verified token shards, the loader that reads them, and the
-anchor-function task (the synthetic default dataset of the quickstart).
+Data for smallinit, written: text corpora -> verified token shards, and the anchor-function task
+(the synthetic default dataset of the quickstart) as records.
 
     python prepare_data.py anchor --out data/anchor
     python prepare_data.py text --out data/en --source en=corpus/en --tokenizer bytes
@@ -10,21 +10,8 @@ anchor-function task (the synthetic default dataset of the quickstart).
         --source fw=hf:HuggingFaceFW/fineweb-edu,config=sample-10BT
     python prepare_data.py bench --source en=corpus/en --tokenizer gpt2 --tokenizer-dir tokenizers
 
-A prepared folder holds meta.json and shards named {split}_{index:06d}.bin. meta.json is written
-last, so a folder without it is incomplete and the loader refuses it. A shard is
-
-    header (64 bytes): magic b"SITOKENS", format version (u32), token itemsize 2|4 (u32),
-                       n_tokens (u64), n_docs (u64), has_mask (u32), zero padding
-    doc table:         int64 (n_docs, 2): start offset in this shard, source id
-    tokens:            uint16 | uint32 (n_tokens)
-    mask:              uint8 (n_tokens), only when has_mask: 1 where the token is a loss target
-
-Every document ends with eot_id. A document that does not fit in a shard continues in the next
-one with a new doc-table row. Record datasets (the anchor task) store one fixed-length record
-per document, without eot, and a mask; meta["record_len"] gives their length.
-
-What train.py / eval.py use: load_meta, TokenLoader, check_model_vocab, get_tokenizer,
-read_records and the anchor helpers anchor_fields, anchor_answer_kinds, anchor_accuracy.
+The folder's format (shards, meta.json), its reader and the tokenizers are in data.py; the
+anchor task's rules in anchor.py.
 """
 import argparse
 import bz2
@@ -40,11 +27,9 @@ import math
 import multiprocessing
 import os
 import platform
-import re
 import shlex
 import shutil
 import signal
-import struct
 import sys
 import tempfile
 import time
@@ -54,115 +39,10 @@ from dataclasses import asdict, dataclass
 from itertools import chain
 
 import numpy as np
-import tiktoken
-import torch
-from tqdm import tqdm
 
-from fileio import atomic_open, atomic_write_bytes, sha256_file
-
-FORMAT_VERSION = 1
-MAGIC = b"SITOKENS"
-HEADER = struct.Struct("<8sIIQQI")
-HEADER_BYTES = 64  # room to grow the header without moving the data
-EOT = "<|endoftext|>"
-
-# -----------------------------------------------------------------------------
-# Tokenizers
-
-
-def byte_encoding():
-    # Every byte is its own token and nothing merges, so the pattern only has to cut text into
-    # pieces; short pieces keep tiktoken's per-piece merge loop linear.
-    return tiktoken.Encoding(
-        name="bytes",
-        pat_str=r"[\s\S]{1,64}",
-        mergeable_ranks={bytes([i]): i for i in range(256)},
-        special_tokens={EOT: 256},
-    )
-
-
-OPENAI = "https://openaipublic.blob.core.windows.net/"
-# file name -> (URL tiktoken downloads it from, sha256 tiktoken_ext/openai_public.py expects)
-PUBLISHED = {
-    "vocab.bpe": (OPENAI + "gpt-2/encodings/main/vocab.bpe",
-                  "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"),
-    "encoder.json": (OPENAI + "gpt-2/encodings/main/encoder.json",
-                     "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"),
-    "r50k_base.tiktoken": (OPENAI + "encodings/r50k_base.tiktoken",
-                           "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"),
-    "cl100k_base.tiktoken": (OPENAI + "encodings/cl100k_base.tiktoken",
-                             "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"),
-    "o200k_base.tiktoken": (OPENAI + "encodings/o200k_base.tiktoken",
-                            "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"),
-}
-# encoding name -> file sets that provide it, as (encoding tiktoken builds from them, files).
-# r50k_base has exactly gpt2's ranks and special token, so either set gives gpt2.
-OFFLINE_SETS = {
-    "gpt2": [("gpt2", ["vocab.bpe", "encoder.json"]), ("r50k_base", ["r50k_base.tiktoken"])],
-    "r50k_base": [("r50k_base", ["r50k_base.tiktoken"])],
-    "cl100k_base": [("cl100k_base", ["cl100k_base.tiktoken"])],
-    "o200k_base": [("o200k_base", ["o200k_base.tiktoken"])],
-}
-
-
-def find_tokenizer_file(folder, name):
-    # the published layout puts gpt2's two files in a gpt2/ subfolder; accept both layouts
-    for path in [os.path.join(folder, name), *sorted(glob.glob(os.path.join(folder, "*", name)))]:
-        if os.path.isfile(path):
-            return path
-    return None
-
-
-def load_offline_tokenizer(name, folder):
-    """Build a tiktoken encoding from published files in `folder`, after checking their sha256."""
-    if name not in OFFLINE_SETS:
-        raise ValueError(f"no offline file set for tokenizer {name!r}; known: {sorted(OFFLINE_SETS)} or 'bytes'")
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"tokenizer folder {folder} does not exist")
-    wanted = []
-    for load_name, files in OFFLINE_SETS[name]:
-        paths = {f: find_tokenizer_file(folder, f) for f in files}
-        missing = [f for f, p in paths.items() if p is None]
-        if missing:
-            wanted.append(f"{' + '.join(files)} (missing: {', '.join(missing)})")
-            continue
-        for f, path in paths.items():
-            digest = sha256_file(path)
-            if digest != PUBLISHED[f][1]:
-                raise ValueError(f"{path}: sha256 {digest} is not the published {PUBLISHED[f][1]} "
-                                 f"of {f}; the file is corrupt or another version, replace it")
-        # tiktoken reads downloads from TIKTOKEN_CACHE_DIR/<sha1 of URL> and deletes cache files
-        # it dislikes, so hand it copies in a private folder rather than the user's files.
-        with tempfile.TemporaryDirectory() as cache:
-            for f, path in paths.items():
-                shutil.copyfile(path, os.path.join(cache, hashlib.sha1(PUBLISHED[f][0].encode()).hexdigest()))
-            saved = os.environ.get("TIKTOKEN_CACHE_DIR")
-            os.environ["TIKTOKEN_CACHE_DIR"] = cache
-            try:
-                return tiktoken.get_encoding(load_name)
-            finally:
-                if saved is None:
-                    del os.environ["TIKTOKEN_CACHE_DIR"]
-                else:
-                    os.environ["TIKTOKEN_CACHE_DIR"] = saved
-    raise FileNotFoundError(f"tokenizer {name!r}: no complete file set in {folder}; need one of: "
-                            + "; ".join(wanted))
-
-
-def get_tokenizer(name, tokenizer_dir=None):
-    """'bytes' (built here), or a tiktoken name: from `tokenizer_dir` when given, else downloaded."""
-    if name == "bytes":
-        return byte_encoding()
-    if tokenizer_dir is not None:
-        return load_offline_tokenizer(name, tokenizer_dir)
-    if name not in tiktoken.list_encoding_names():
-        raise ValueError(f"unknown tokenizer {name!r}; use 'bytes' or one of {tiktoken.list_encoding_names()}")
-    try:
-        return tiktoken.get_encoding(name)
-    except Exception as e:  # any network failure: the fix is the same
-        sets = " or ".join(" + ".join(files) for _, files in OFFLINE_SETS.get(name, []))
-        raise SystemExit(f"could not download tokenizer {name!r} ({type(e).__name__}); offline, pass "
-                         f"--tokenizer-dir DIR holding {sets or 'its published files'}") from None
+from anchor import ANCHOR_SHIFTS, PAIRS, AnchorTask, anchor_records, anchor_vocab, check_anchor_task
+from data import FORMAT_VERSION, HEADER, HEADER_BYTES, MAGIC, get_tokenizer, progress_bar, read_meta
+from fileio import atomic_open, atomic_write_bytes
 
 
 def cpu_name():
@@ -189,7 +69,7 @@ def token_dtype(vocab_size):
 
 
 # -----------------------------------------------------------------------------
-# Shards: write (atomically) and read (validated, memory-mapped)
+# Shards, written atomically (data.py reads them)
 
 
 def npy_bytes(array):
@@ -220,38 +100,6 @@ def write_shard(path, tokens, docs, mask=None):
         digest.update(chunk)
     return digest.hexdigest()
 
-
-@dataclass
-class Shard:
-    path: str
-    tokens: np.ndarray  # memmap
-    docs: np.ndarray    # (n_docs, 2) int64: start, source
-    mask: np.ndarray | None
-
-
-def read_shard(path):
-    fix = "re-run prepare_data.py for this folder"
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"missing shard {path}; {fix}")
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        raw = f.read(HEADER_BYTES)
-    if len(raw) < HEADER_BYTES or raw[:8] != MAGIC:
-        raise ValueError(f"{path} is not a smallinit token shard (bad magic); {fix}")
-    _, version, itemsize, n_tokens, n_docs, has_mask = HEADER.unpack(raw[:HEADER.size])
-    if version != FORMAT_VERSION:
-        raise ValueError(f"{path} has shard format version {version}, this code reads {FORMAT_VERSION}; {fix}")
-    if itemsize not in (2, 4):
-        raise ValueError(f"{path}: token itemsize {itemsize} is neither 2 nor 4; {fix}")
-    expected = HEADER_BYTES + 16 * n_docs + itemsize * n_tokens + (n_tokens if has_mask else 0)
-    if size != expected:
-        raise ValueError(f"{path} is {size} bytes but its header describes {expected} "
-                         f"({n_tokens} tokens, {n_docs} docs): truncated or corrupt; {fix}")
-    docs = np.memmap(path, np.int64, "r", offset=HEADER_BYTES, shape=(n_docs, 2))
-    offset = HEADER_BYTES + 16 * n_docs
-    tokens = np.memmap(path, np.uint16 if itemsize == 2 else np.uint32, "r", offset=offset, shape=(n_tokens,))
-    mask = np.memmap(path, np.uint8, "r", offset=offset + itemsize * n_tokens, shape=(n_tokens,)) if has_mask else None
-    return Shard(path, tokens, docs, mask)
 
 
 class ShardWriter:
@@ -313,248 +161,6 @@ def write_meta(out_dir, meta, invocation):
     return meta
 
 
-def is_int(value):
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def int_list(value):
-    return isinstance(value, list) and all(is_int(v) and v >= 0 for v in value)
-
-
-# What the readers (TokenLoader, train.py, eval.py) take from a data folder's meta.json, checked
-# before use: the file may come from anywhere, and a wrong type would surface as a traceback deep
-# in the loader. Shard names must be plain names of files in the folder, never a path out of it.
-META_FIELDS = {
-    "tokenizer": (lambda v: isinstance(v, str), "a tokenizer name"),
-    "vocab_size": (lambda v: is_int(v) and v > 0, "a positive integer"),
-    "eot_id": (lambda v: is_int(v) and v >= 0, "a token id"),
-    "dtype": (lambda v: v in ("uint16", "uint32"), '"uint16" or "uint32"'),
-    "sources": (lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v), "a list of source names"),
-    "splits": (lambda v: isinstance(v, dict) and all(isinstance(i, dict) for i in v.values()),
-               "an object of split name -> split"),
-}
-SPLIT_FIELDS = {  # name -> (required, check, what it must be); every list has one entry per shard
-    "shards": (True, lambda v: isinstance(v, list) and all(isinstance(n, str) and SHARD_NAME.fullmatch(n) for n in v),
-               "a list of shard file names (NAME_000000.bin)"),
-    "shard_tokens": (True, int_list, "a list of token counts"),
-    "shard_max_id": (False, int_list, "a list of token ids"),  # folders before it was recorded lack it
-    "shard_sha256": (False, lambda v: isinstance(v, list) and all(isinstance(h, str) and len(h) == 64 for h in v),
-                     "a list of sha256 hex digests"),
-}
-SHARD_NAME = re.compile(r"[\w.-]+_[0-9]{6}\.bin")
-
-
-def meta_problem(meta):
-    """What is wrong with a parsed data meta.json, or None."""
-    if not isinstance(meta, dict):
-        return f"it holds a JSON {type(meta).__name__}, not an object"
-    if meta.get("format_version") != FORMAT_VERSION:
-        return f"format version {meta.get('format_version')}, this code reads {FORMAT_VERSION}"
-    for key, (check, what) in META_FIELDS.items():
-        if key not in meta:
-            return f"no {key!r}"
-        if not check(meta[key]):
-            return f"{key!r} is {json.dumps(meta[key])[:40]}, not {what}"
-    if "record_len" in meta and not (is_int(meta["record_len"]) and meta["record_len"] >= 2):
-        return f"'record_len' is {json.dumps(meta['record_len'])[:40]}, not a record length (>= 2)"
-    for split, info in meta["splits"].items():
-        for key, (required, check, what) in SPLIT_FIELDS.items():
-            if key not in info and not required:
-                continue
-            if key not in info:
-                return f"split {split!r} has no {key!r}"
-            if not check(info[key]):
-                return f"{key!r} of split {split!r} is {json.dumps(info[key])[:40]}, not {what}"
-            if len(info[key]) != len(info["shards"]):
-                return f"split {split!r} has {len(info['shards'])} shards but {len(info[key])} {key!r}"
-    return None
-
-
-def read_meta(path):
-    """(meta, None), or (None, what is wrong with the file)."""
-    try:
-        with open(path, "rb") as f:
-            meta = json.load(f)
-    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, or nested past the parser's depth
-        return None, f"not JSON ({type(e).__name__}: {str(e)[:60]})"
-    problem = meta_problem(meta)
-    return (None, problem) if problem else (meta, None)
-
-
-def load_meta(data_dir):
-    path = os.path.join(data_dir, "meta.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: {data_dir} is not a prepared data folder or its "
-                                f"preparation did not finish; run prepare_data.py")
-    meta, problem = read_meta(path)
-    if problem:
-        raise ValueError(f"{path} is not a data folder's meta.json: {problem}; re-run prepare_data.py "
-                         f"for {data_dir} (or pass another data folder)")
-    return meta
-
-
-def check_model_vocab(meta, vocab_size, tokenizer=None):
-    """A model must have an output for every token id in the data (a larger, padded vocab is fine)."""
-    if tokenizer is not None and tokenizer != meta["tokenizer"]:
-        raise ValueError(f"data was tokenized with {meta['tokenizer']!r} but the config expects "
-                         f"{tokenizer!r}; prepare the data with --tokenizer {tokenizer} or change the config")
-    if vocab_size < meta["vocab_size"]:
-        raise ValueError(f"model vocab_size={vocab_size} is smaller than the data's vocab "
-                         f"({meta['tokenizer']}, {meta['vocab_size']} ids); set vocab_size >= {meta['vocab_size']}")
-
-
-def split_shards(data_dir, meta):
-    """(split, shard path, index in the split) of every shard, in meta order."""
-    return [(split, os.path.join(data_dir, name), i) for split, info in meta["splits"].items()
-            for i, name in enumerate(info["shards"])]
-
-
-def check_token_ids(data_dir, meta, vocab_size):
-    """Every token id in every shard is < vocab_size: from the max ids meta.json stores, or read
-    from the shards of folders written before it stored them."""
-    for split, path, i in split_shards(data_dir, meta):
-        stored = meta["splits"][split].get("shard_max_id")
-        top = stored[i] if stored else int(np.max(read_shard(path).tokens, initial=0))
-        if top >= vocab_size:
-            raise ValueError(f"{path} holds token id {top} >= the model's vocab_size {vocab_size}: the shard is "
-                             f"corrupt or was made with another tokenizer; re-run prepare_data.py")
-
-
-def check_shard_ids(shard, meta, stored=None):
-    """Read the shard's largest token id from its bytes: it must be the one prepare_data.py
-    recorded (`stored`), or, for folders that predate the record, inside the data's vocab."""
-    top = int(np.max(shard.tokens, initial=0))
-    fix = "the shard changed after prepare_data.py wrote it; re-run prepare_data.py for this folder"
-    if stored is not None and top != stored:
-        raise ValueError(f"{shard.path} holds token ids up to {top}, meta.json recorded {stored}: {fix}")
-    if top >= meta["vocab_size"]:
-        raise ValueError(f"{shard.path} holds token id {top}, past the data's vocab ({meta['tokenizer']}, "
-                         f"{meta['vocab_size']} ids): {fix}")
-
-
-def data_fingerprint(data_dir, meta):
-    """sha256 over every shard's sha256 (stored by prepare_data.py; hashed from the files for
-    folders written before it stored them): equal iff the token data is the same."""
-    digest = hashlib.sha256()
-    for split, path, i in split_shards(data_dir, meta):
-        stored = meta["splits"][split].get("shard_sha256")
-        if stored:
-            sha = stored[i]
-        else:
-            with open(path, "rb") as f:
-                sha = hashlib.file_digest(f, "sha256").hexdigest()
-        digest.update(f"{split}/{os.path.basename(path)}:{sha}\n".encode())
-    return digest.hexdigest()
-
-
-# -----------------------------------------------------------------------------
-# Loader
-
-
-class TokenLoader:
-    """Batches of (T+1)-token windows, shuffled per epoch from `seed`, split across ranks.
-
-    Text: windows start every T tokens of each shard (x positions never overlap). Records: one
-    window per record and T = record_len - 1. A global step takes batch_size * world_size windows
-    of the epoch's permutation, rank r the r-th slice, so ranks are disjoint and the position
-    (epoch, pos) is all the state there is; pos counts windows, so it survives a change of world
-    size. y == -1 where the shard's mask says the token is not a target.
-    """
-
-    def __init__(self, data_dir, split, batch_size, seq_len=None, rank=0, world_size=1, seed=0):
-        self.meta = load_meta(data_dir)
-        splits = self.meta["splits"]
-        if split not in splits:
-            raise ValueError(f"{data_dir} has no split {split!r}; it has {sorted(splits)}")
-        record_len = self.meta.get("record_len")
-        if record_len is not None:
-            if seq_len not in (None, record_len - 1):
-                raise ValueError(f"{data_dir} holds records of {record_len} tokens: use seq_len={record_len - 1}")
-            seq_len, stride = record_len - 1, record_len
-        elif seq_len is None:
-            raise ValueError("seq_len is required for text data")
-        else:
-            stride = seq_len
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world_size {world_size}")
-        self.batch_size, self.seq_len, self.stride = batch_size, seq_len, stride
-        self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.shards = []
-        for name, n in zip(splits[split]["shards"], splits[split]["shard_tokens"]):
-            shard = read_shard(os.path.join(data_dir, name))
-            if len(shard.tokens) != n:
-                raise ValueError(f"{shard.path} has {len(shard.tokens)} tokens, meta.json says {n}; re-run prepare_data.py")
-            self.shards.append(shard)
-        # The ids are checked in the bytes, not taken from meta.json: an id past the model's vocab
-        # crashes a step (a device assert on CUDA). Scanning 16M uint16 tokens takes ~1.5 ms from
-        # the page cache, ~17 ms from disk (hashing them, ~45 ms).
-        recorded = splits[split].get("shard_max_id")
-        if recorded:
-            for shard, stored in zip(self.shards, recorded):
-                check_shard_ids(shard, self.meta, stored)
-        # Folders from before meta.json recorded max ids: each shard when a batch first reads it
-        # (train.py's check_token_ids scans those at start, naming the model's vocab).
-        self.unchecked = set() if recorded else set(range(len(self.shards)))
-        windows = [max(0, (len(s.tokens) - seq_len - 1) // stride + 1) for s in self.shards]
-        self.first_window = np.cumsum([0] + windows)
-        self.n_windows = int(self.first_window[-1])
-        if self.n_windows < batch_size * world_size:
-            raise ValueError(f"split {split!r} of {data_dir} has {self.n_windows} windows of {seq_len + 1} "
-                             f"tokens, fewer than one global batch ({batch_size} x {world_size} ranks); "
-                             f"lower batch_size/seq_len or prepare more data")
-        self.epoch, self.pos, self._order = 0, 0, None
-
-    def order(self):
-        if self._order is None or self._order[0] != self.epoch:
-            self._order = (self.epoch, np.random.default_rng([self.seed, self.epoch]).permutation(self.n_windows))
-        return self._order[1]
-
-    def next_batch(self, with_sources=False):
-        global_batch = self.batch_size * self.world_size
-        if self.pos + global_batch > self.n_windows:  # drop the epoch's remainder: every step is full
-            self.epoch, self.pos = self.epoch + 1, 0
-        start = self.pos + self.rank * self.batch_size
-        windows = self.order()[start:start + self.batch_size]
-        self.pos += global_batch
-        x, y, src = (np.empty((len(windows), self.seq_len), np.int64) for _ in range(3))
-        shard_of = np.searchsorted(self.first_window, windows, side="right") - 1
-        for s in np.unique(shard_of):  # one gather per shard: a batch of tiny records costs one call
-            rows, shard = shard_of == s, self.shards[s]
-            if s in self.unchecked:
-                check_shard_ids(shard, self.meta)
-                self.unchecked.discard(s)
-            positions = (windows[rows] - self.first_window[s])[:, None] * self.stride + np.arange(self.seq_len + 1)
-            chunk = shard.tokens[positions].astype(np.int64)
-            targets = positions[:, 1:]
-            x[rows] = chunk[:, :-1]
-            y[rows] = chunk[:, 1:] if shard.mask is None else np.where(shard.mask[targets] == 1, chunk[:, 1:], -1)
-            # the source of each target token: the document it lies in (a doc's eot belongs to it)
-            src[rows] = shard.docs[np.searchsorted(shard.docs[:, 0], targets, side="right") - 1, 1]
-        if with_sources:
-            return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(src)
-        return torch.from_numpy(x), torch.from_numpy(y)
-
-    def state_dict(self):
-        return {"epoch": self.epoch, "pos": self.pos, "n_windows": self.n_windows}
-
-    def load_state_dict(self, state):
-        if state["n_windows"] != self.n_windows:
-            raise ValueError(f"loader state is for {state['n_windows']} windows, this split has "
-                             f"{self.n_windows}: different data or seq_len than the checkpoint")
-        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
-
-
-def read_records(data_dir, split):
-    """All records of a record split, in stored order: int64 (n_records, record_len)."""
-    meta = load_meta(data_dir)
-    if "record_len" not in meta:
-        raise ValueError(f"{data_dir} holds text, not records")
-    if split not in meta["splits"]:
-        raise ValueError(f"{data_dir} has no split {split!r}; it has {sorted(meta['splits'])}")
-    tokens = [np.asarray(read_shard(os.path.join(data_dir, n)).tokens) for n in meta["splits"][split]["shards"]]
-    return np.concatenate(tokens).astype(np.int64).reshape(-1, meta["record_len"])
-
-
 # -----------------------------------------------------------------------------
 # Text sources (all read through `datasets`, the way its users store data)
 
@@ -571,7 +177,7 @@ class Source:
     weight: float = 1.0         # share of the mixture's tokens (normalised over sources)
     field: str = "text"         # json/parquet/hub column holding the text (a list of str is joined by \n)
     config: str | None = None   # hub or folder dataset config (README.md `configs:`)
-    split: str = "train"        # hub or folder split; a file or glob is read whole
+    split: str = "train"        # hub split, or a split layout's; a file, glob or other folder is read whole
     sample_by: str = "paragraph"  # .txt documents: blank-line paragraphs, so books split into val/train
     sep: str | None = None      # also cut each text at this string (TinyStories: "<|endoftext|>")
     # Stop reading this source after this many tokens. Files are read in sorted path order, so a
@@ -633,13 +239,27 @@ def file_builder(path):
 def source_files(source):
     files = sorted(glob.glob(os.path.expanduser(source.path), recursive=True))
     if not files:
-        raise FileNotFoundError(f"source {source.name}: nothing matches {source.path} (expected "
-                                f"{', '.join(TEXT_EXTENSIONS)} files (optionally .gz/.bz2/.xz), a folder or a glob)")
+        raise FileNotFoundError(f"source {source.name}: nothing matches {source.path}" + deeper_glob(source))
     builders = {file_builder(f) for f in files}
     if None in builders or len(builders) > 1:
         raise ValueError(f"source {source.name}: files must all be .txt, all .json/.jsonl or all "
                          f".parquet; split them into separate sources")
     return files, builders.pop()
+
+
+def deeper_glob(source):
+    """What to say when a glob matched nothing: a glob's * stops at a folder as the shell's does
+    (zh/*.txt leaves out zh/classics/*.txt; reading them unasked would be worse), so name the **
+    glob when it finds files in subfolders, else what a source may be."""
+    folder, pattern = os.path.split(source.path)
+    deeper = os.path.join(folder, "**", pattern)
+    if "**" not in source.path and any(c in pattern for c in "*?["):
+        found = [f for f in glob.glob(os.path.expanduser(deeper), recursive=True) if os.path.isfile(f)]
+        if found:
+            again = shlex.quote(",".join([f"{source.name}={deeper}", *source_options(source)]))
+            return (f": its * stops at a folder, and {len(found)} files match {deeper}; to read them, pass "
+                    f"--source {again}")
+    return f" (expected {', '.join(TEXT_EXTENSIONS)} files (optionally .gz/.bz2/.xz), a folder or a glob)"
 
 
 def folder_files(path):
@@ -714,10 +334,9 @@ def config_files(config, folder):
 def check_folder_split(source, folder, builder, split, data):
     """Name every data file of the folder that is not read, and how to read it: in a warning, or
     in the error when datasets' split inference left no `split` at all."""
-    # datasets resolves the folder's symlinks (a macOS temp dir, a linked corpus), our listing
-    # keeps the path as given: compare real paths, or every file reads as not read
     splits = builder.config.data_files or {}
     if readme_configs(folder) is not None:  # the card declares the splits: only files in none of them are news
+        # real paths, as in named_splits: datasets resolves symlinks, our listing does not
         used = {os.path.realpath(f) for c in builder.builder_configs.values() for f in config_files(c, folder)}
         unread = [f for f in data if os.path.realpath(f) not in used]
         if unread and split in splits:
@@ -725,12 +344,11 @@ def check_folder_split(source, folder, builder, split, data):
                   f"README.md and are not read: {', '.join(unread)}; to read them, give them a --source of their "
                   f"own", file=sys.stderr)
         return
-    where = {os.path.realpath(f): str(s) for s, fs in splits.items() for f in fs}
-    unread = [f for f in data if where.get(os.path.realpath(f)) != split]
+    where = {f: s for s, fs in named_splits(folder, data).items() for f in fs}
+    unread = [f for f in data if where.get(f) != split]
     if not unread or split not in splits and split != "train":  # a split asked for by name: the plain error
         return
-    named = ", ".join(f + (f" (split {where[real]!r})" if real in where else " (no split)")
-                      for f in unread for real in [os.path.realpath(f)])
+    named = ", ".join(f + (f" (split {where[f]!r})" if f in where else " (no split)") for f in unread)
     message = (f"source {source.name}: datasets splits {folder} by file names ({', '.join(map(str, splits))}) and "
                f"{'reads split' if split in splits else 'finds no split'} {split!r}, so {len(unread)} of its "
                f"{len(data)} data files are not read: {named}; to read every file, pass a glob: "
@@ -777,9 +395,45 @@ def one_change(changes):
     return changes[0] + (f" (and {len(changes) - 1} more)" if len(changes) > 1 else "")
 
 
+def named_splits(folder, data):
+    """{split: data files} as datasets' split inference (no README.md configs) assigns them by
+    file or folder names (train/, *_test_*.txt, data/validation-*); all in 'train' when no name
+    gives a split, and a file no name assigns in none."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+    patterns = get_data_patterns(folder)
+    # datasets resolves the folder's symlinks (a macOS temp dir, a linked corpus), our listing
+    # keeps the path as given: match on real paths, or every file reads as in no split
+    ours = {os.path.realpath(f): f for f in data}
+    found = {str(s): [ours[r] for r in map(os.path.realpath, fs) if r in ours]
+             for s, fs in DataFilesDict.from_patterns(patterns, folder).items()}
+    return {s: fs for s, fs in found.items() if fs}
+
+
+def split_root(splits):
+    """The folder that split names lay out: the deepest one holding every file they name."""
+    return os.path.commonpath([os.path.dirname(f) for fs in splits.values() for f in fs])
+
+
+def has_split_layout(source, folder):
+    """Whether datasets' splits apply to the folder: README.md configs declare them, or file or
+    folder names give two or more splits that lay out the folder itself (every data file under
+    split_root). One *_train_* file among books, or a corpus's train and validation files in a
+    subfolder beside other corpora (the offline kit's corpus/en/tinystories/), lay out no split of
+    the folder: it is read whole."""
+    if readme_configs(folder) is not None:
+        return True
+    data = check_folder(source, folder)
+    splits = named_splits(folder, data)
+    if len(splits) < 2:
+        return False
+    root = split_root(splits)
+    return all(os.path.commonpath([root, f]) == root for f in data)
+
+
 def source_layout(source):
     """'hub' (hf:ID), 'saved' / 'saved_dict' (a save_to_disk Dataset / DatasetDict), 'folder'
-    (the hub layout: splits from README.md configs or from file names) or 'files' (file, glob)."""
+    (the hub layout: splits from README.md configs or from file and folder names), 'tree' (a
+    folder without a split layout, every data file under it read) or 'files' (file, glob)."""
     path = os.path.expanduser(source.path)
     if source.path.startswith("hf:"):
         return "hub"
@@ -787,17 +441,40 @@ def source_layout(source):
         return "saved_dict"
     if os.path.isfile(os.path.join(path, "state.json")):
         return "saved"
-    return "folder" if os.path.isdir(path) else "files"
+    if not os.path.isdir(path):
+        return "files"
+    return "folder" if has_split_layout(source, path) else "tree"
 
 
 def split_read(source):
-    """The split of the source that is read; None when it is read whole (files, a saved Dataset)."""
+    """The split of the source that is read; None when it is read whole (files, a folder without
+    a split layout, a saved Dataset)."""
     if source_layout(source) in ("hub", "folder", "saved_dict"):
         return source.split
     if source.split != "train":
-        raise ValueError(f"source {source.name}: {source.path} has no splits, it is read whole; "
-                         f"split= picks a split of a folder, a DatasetDict or a hub dataset: drop it")
+        raise ValueError(f"source {source.name}: {source.path} has no splits, it is read whole; split= picks a "
+                         f"split of a folder laid out in splits (train/, test/...), a DatasetDict or a hub dataset: "
+                         f"drop it")
     return None
+
+
+def tree_files(source, folder):
+    """Every data file of a folder without a split layout (sorted, one format) and their builder.
+    Files whose names give splits are read like the others: say so, so that a test split read
+    for training is seen (and how to read one split instead)."""
+    if source.config is not None:
+        raise ValueError(f"source {source.name}: config= picks a config that a README.md declares; {folder} has "
+                         f"none: drop it")
+    data = check_folder(source, folder)
+    splits = named_splits(folder, data)
+    if len(splits) > 1:
+        root = split_root(splits)
+        named = ", ".join(f"{os.path.relpath(f, folder)} ({s})" for s, fs in splits.items() for f in fs)
+        one_split = ",".join([f"{source.name}={root}", "split=NAME", *source_options(source, skip=("split",))])
+        print(f"note: source {source.name}: all {len(data)} data files of {folder} are read, {named} too: their "
+              f"split names lay out {root} only; to read one split of it, pass --source {shlex.quote(one_split)}",
+              file=sys.stderr)
+    return data, file_builder(data[0])
 
 
 def builder_options(source, builder):
@@ -813,7 +490,7 @@ def builder_options(source, builder):
 
 def open_source(source):
     """(dataset with .iter(batch_size), text column, local data files) of one source."""
-    import datasets  # only preparation needs it; train/eval import this module for the loader
+    import datasets  # ~3 s to import: only reading text sources needs it (not `anchor`, not --help)
 
     layout, split, path = source_layout(source), split_read(source), os.path.expanduser(source.path)
     if layout in ("saved", "saved_dict"):  # load_dataset refuses these: load_from_disk reads them
@@ -824,8 +501,8 @@ def open_source(source):
                                  f"{sorted(ds)}: pass split=NAME in --source")
             ds = ds[split]
         return ds, source.field, []
-    if layout == "files":
-        files, builder = source_files(source)
+    if layout in ("files", "tree"):
+        files, builder = source_files(source) if layout == "files" else tree_files(source, path)
         check_not_empty(source, files)
         ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True,
                                    **builder_options(source, builder))
@@ -968,28 +645,6 @@ def parallel_map(pool, fn, tasks, workers):
     while pending:
         yield pending.popleft().get()
 
-
-class LogLines:
-    """A file for tqdm that is not a terminal: each refresh on a line of its own instead of a
-    \r redraw, so a log file does not glue its lines together."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, text):
-        text = text.replace("\r", "").rstrip()
-        if text:
-            self.stream.write(text + "\n")
-
-    def flush(self):
-        self.stream.flush()
-
-
-def progress_bar(iterable=None, **kwargs):
-    """tqdm on stderr: a live bar on a terminal, else a plain line every 30 s."""
-    tty = sys.stderr.isatty()
-    return tqdm(iterable, file=sys.stderr if tty else LogLines(sys.stderr), mininterval=0.5 if tty else 30,
-                dynamic_ncols=tty, **kwargs)
 
 
 def tokenize_source(source, pool, workers, cache_dir, dtype, fingerprint):
@@ -1303,79 +958,7 @@ def benchmark(args):
 
 
 # -----------------------------------------------------------------------------
-# The anchor-function task (Zhang, Xu et al., NeurIPS 2024: "Initialization is critical to whether
-# transformers fit composite functions by reasoning or memorizing")
-
-ANCHOR_SHIFTS = {1: 5, 2: 1, 3: -2, 4: -8}  # anchor token -> its single function x + shift
-SHIFT = np.zeros(max(ANCHOR_SHIFTS) + 1, np.int64)
-SHIFT[list(ANCHOR_SHIFTS)] = list(ANCHOR_SHIFTS.values())
-PAIRS = np.array([(a, b) for a in ANCHOR_SHIFTS for b in ANCHOR_SHIFTS], np.int64)  # source id = row
-
-
-@dataclass
-class AnchorTask:
-    seq_len: int = 9                 # input tokens per sequence: the paper's length
-    keys: tuple = (20, 99)           # key range (inclusive): the paper's
-    fillers: tuple = (20, 99)        # filler range: the keys' range, so only the anchors mark the key
-    test_key_fraction: float = 0.2   # keys never trained with any pair: seen pairs are tested on them
-    heldout: tuple = (4, 3)          # the pair that never appears in training
-    mirror_shift: int = -6           # its mirror (3,4) is trained with x-6 instead of the composite x-10
-    key_positions: tuple = None      # (LO, HI) positions the key may take; None: anywhere it fits, 0..seq_len-3
-    n_train: int = 20000             # issue 6's probe: 20k samples show the effect in minutes on 2 cores
-    n_eval: int = 2000               # per evaluation split: answer shares to about +-1%
-    seed: int = 0                    # fixes keys split, positions and fillers: same seed, same bytes
-
-    @property
-    def mirror(self):
-        return (self.heldout[1], self.heldout[0])
-
-    @property
-    def positions(self):
-        return tuple(self.key_positions) if self.key_positions is not None else (0, self.seq_len - 3)
-
-
-def anchor_vocab(task):
-    """(vocab_size, eot_id). Targets reach max key + 10 = 109 with the defaults, so ids 0..99 do not
-    suffice: the vocab is the largest id + eot, rounded up to a multiple of 64 (128 by default)."""
-    top = max(task.keys[1], task.fillers[1], task.keys[1] + max(int(SHIFT[PAIRS].sum(1).max()), task.mirror_shift))
-    return -(-(top + 2) // 64) * 64, top + 1
-
-
-def anchor_targets(task, key, a, b):
-    target = key + SHIFT[a] + SHIFT[b]
-    mirror = (a == task.mirror[0]) & (b == task.mirror[1])
-    return np.where(mirror, key + task.mirror_shift, target)
-
-
-def anchor_records(task, n, keys, pairs, rng):
-    """n records: seq_len inputs (fillers; the key then the pair at a random position) + the target."""
-    key = rng.choice(keys, n)
-    pair = pairs[rng.integers(len(pairs), size=n)]
-    pos = rng.integers(task.positions[0], task.positions[1] + 1, size=n)
-    records = rng.integers(task.fillers[0], task.fillers[1] + 1, size=(n, task.seq_len + 1))
-    rows = np.arange(n)
-    records[rows, pos], records[rows, pos + 1], records[rows, pos + 2] = key, pair[:, 0], pair[:, 1]
-    records[:, -1] = anchor_targets(task, key, pair[:, 0], pair[:, 1])
-    return records, (pair[:, 0] - 1) * len(ANCHOR_SHIFTS) + pair[:, 1] - 1
-
-
-def check_anchor_task(task):
-    if task.keys[0] > task.keys[1] or task.fillers[0] > task.fillers[1]:
-        raise ValueError(f"ranges go LO-HI: keys {task.keys}, fillers {task.fillers}")
-    lowest = min(task.keys[0], task.fillers[0])
-    if lowest <= max(ANCHOR_SHIFTS):
-        raise ValueError(f"keys and fillers must be above the anchor tokens 1..{max(ANCHOR_SHIFTS)}")
-    if task.keys[0] + min(int(SHIFT[PAIRS].sum(1).min()), task.mirror_shift) < 0:
-        raise ValueError(f"key {task.keys[0]} composed with the anchors goes below token 0; raise the key range")
-    if task.seq_len < 3:
-        raise ValueError("seq_len must hold the key and the anchor pair (>= 3)")
-    if not 0 <= task.positions[0] <= task.positions[1] <= task.seq_len - 3:
-        raise ValueError(f"key positions {task.positions[0]}-{task.positions[1]} must lie in 0-{task.seq_len - 3}: "
-                         f"the key and its pair must fit in the {task.seq_len} inputs")
-    if tuple(task.heldout) not in {tuple(p) for p in PAIRS.tolist()} or task.heldout == task.mirror:
-        raise ValueError(f"held-out pair {task.heldout} must be two different anchors from {list(ANCHOR_SHIFTS)}")
-    if not 0 < round(task.test_key_fraction * (task.keys[1] - task.keys[0] + 1)) < task.keys[1] - task.keys[0] + 1:
-        raise ValueError("test_key_fraction must leave at least one train key and one test key")
+# The anchor-function task's records (anchor.py), written as shards
 
 
 def prepare_anchor(task, out_dir, invocation):
@@ -1413,33 +996,6 @@ def prepare_anchor(task, out_dir, invocation):
         print(f"anchor task in {out_dir}: " + ", ".join(f"{k} {v['records']:,}" for k, v in splits.items())
               + f" records of {record_len} tokens, vocab {vocab_size}")
         return meta
-
-
-def anchor_fields(records):
-    """(key, a, b, target) of each record (n, record_len): the pair is the first anchor token and
-    the one after it (fillers are never anchors), the key the token before."""
-    records = np.asarray(records, np.int64)
-    inputs = records[:, :-1]
-    first = ((inputs >= 1) & (inputs <= max(ANCHOR_SHIFTS))).argmax(1)
-    rows = np.arange(len(records))
-    return inputs[rows, first - 1], inputs[rows, first], inputs[rows, first + 1], records[:, -1]
-
-
-def anchor_answer_kinds(records, predictions, meta):
-    """Shares of answers that are inferential (the composite f_b(f_a(x))), symmetric (the rule
-    trained on the mirror pair, x + mirror_shift) or other. Meant for the heldout split, with
-    `predictions` the model's argmax at the last input position (n,)."""
-    key, a, b, _ = anchor_fields(records)
-    pred = np.asarray(predictions, np.int64)
-    inferential = pred == key + SHIFT[a] + SHIFT[b]
-    symmetric = (pred == key + meta["anchor"]["mirror_shift"]) & ~inferential
-    return {"inferential": float(inferential.mean()), "symmetric": float(symmetric.mean()),
-            "other": float(1 - inferential.mean() - symmetric.mean()), "n": len(pred)}
-
-
-def anchor_accuracy(records, predictions):
-    """Share of answers equal to the stored target (for the train/val/test splits: the trained rule)."""
-    return float((np.asarray(predictions, np.int64) == np.asarray(records, np.int64)[:, -1]).mean())
 
 
 # -----------------------------------------------------------------------------
@@ -1500,11 +1056,12 @@ MIN_BUDGET = 1000
 
 def add_text_arguments(p):
     p.add_argument("--source", action="append", required=True, metavar="NAME=PATH[,key=value...]",
-                   help="a text source, repeatable. PATH: file, folder (hub layout or save_to_disk), glob or "
-                        "hf:owner/dataset. keys: weight (token share), field (json/parquet/hub column), config "
-                        "and split (folder or hub; split defaults to train), sample_by (.txt docs: "
-                        "paragraph|document|line), sep (cut docs at it), max_tokens, encoding (.txt/.json files "
-                        "that are not UTF-8)")
+                   help="a text source, repeatable. PATH: file, folder (every data file under it, or one split "
+                        "of a split layout: README.md configs, train/ + test/...; or save_to_disk), glob (** for "
+                        "subfolders) or hf:owner/dataset. keys: weight (token share), field (json/parquet/hub "
+                        "column), config and split (split layout or hub; split defaults to train), sample_by (.txt "
+                        "docs: paragraph|document|line), sep (cut docs at it), max_tokens, encoding (.txt/.json "
+                        "files that are not UTF-8)")
     # bytes: no download, and its 257 ids are GPTConfig's default vocab, so tiny CPU runs just work
     p.add_argument("--tokenizer", default="bytes", help="bytes, gpt2, r50k_base, cl100k_base, o200k_base")
     # None: tiktoken downloads (or finds its cache); offline clusters point this at the published files

@@ -23,9 +23,10 @@ import sys
 import threading
 import time
 
+from anchor import AnchorTask
 from eval import pyplot, save_figure
 from fileio import write_json
-from prepare_data import AnchorTask, cpu_name, usable_cores
+from prepare_data import cpu_name, usable_cores
 from train import load_config
 
 ROOT = os.path.dirname(os.path.abspath(__file__))

@@ -37,8 +37,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
-from configurator import parse_value  # a grid value is read as train.py reads --key=value
-from downstream import at_least  # eval.py's check of size and count flags
+from checkpoint import RunDirError, code_version, metrics_rows, newest_in_run
+from configurator import at_least, parse_value  # a grid value is read as train.py reads --key=value
 from fileio import open_nofollow, write_json
 from prepare_data import cpu_name
 
@@ -163,47 +163,30 @@ def eval_commands(args, run_dir):
 
 
 def git_commit():
-    try:
-        commit = subprocess.run(["git", "-C", HERE, "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()
-        # Dirty means changed code or configs; results/ being written by this sweep is not.
-        dirty = subprocess.run(["git", "-C", HERE, "status", "--porcelain", "--untracked-files=no", "--", "*.py", "config"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return commit + ("-dirty" if dirty else "")
+    """The sweep's code as `git describe --dirty` spells a commit (checkpoint.code_version), or None
+    outside a git checkout."""
+    version = code_version()
+    return version["git_commit"] and version["git_commit"] + ("-dirty" if version["git_dirty"] else "")
 
 
 def machine():
     return {"cpu": cpu_name(), "threads_per_point": 1, "host": platform.node(), "python": platform.python_version()}
 
 
-def read_jsonl(path):
-    rows = []
-    with open(path) as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # a half-written last row
-    return rows
-
-
 def trained_data_fingerprint(run_dir):
-    """The data fingerprint (prepare_data.data_fingerprint) that the run's last checkpoint
-    trained on: a result row names its data, so a rebuilt data set can be checked against it."""
-    ckpts = sorted(glob.glob(os.path.join(run_dir, "ckpt_*", "meta.json")))
-    if not ckpts:
+    """The data fingerprint (data.data_fingerprint) that the run's newest intact checkpoint trained
+    on, read as eval.py reads the checkpoint: a result row names its data, so a rebuilt data set can
+    be checked against it. Not sha256-checked again: eval.py has just read every byte."""
+    if not glob.glob(os.path.join(run_dir, "ckpt_*")):
         return None
-    with open(ckpts[-1]) as f:
-        return json.load(f).get("data_fingerprint")
+    return newest_in_run(run_dir, verify=False)[1].get("data_fingerprint")
 
 
 def point_result(args, point, run_dir, wall_s, command):
     """The result row of a finished point, from its run folder."""
     with open(os.path.join(run_dir, "config.json")) as f:
         config = json.load(f)
-    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    metrics = [row for _, row in metrics_rows(os.path.join(run_dir, "metrics.jsonl"))]
     train_rows = [r for r in metrics if "loss" in r]
     val_rows = [r for r in metrics if "val_loss" in r]
     evals = {}
@@ -340,7 +323,10 @@ def run_point(args, point, run_dir):
                     raise RuntimeError(f"point {point['name']}: {os.path.basename(cmd[1])} exited {returncode}; "
                                        f"see {os.path.join(run_dir, 'sweep.log')}")
         # Recorded as a user would type it from the repo root (no path of this machine).
-        row = point_result(args, point, run_dir, time.time() - start, ["python", "train.py", *train[2:]])
+        try:
+            row = point_result(args, point, run_dir, time.time() - start, ["python", "train.py", *train[2:]])
+        except (ValueError, RunDirError) as e:  # a damaged metrics.jsonl or checkpoint: this point fails
+            raise RuntimeError(f"point {point['name']}: {e}") from None
         write_json(os.path.join(run_dir, "sweep_point.json"), row)
         return row
     finally:

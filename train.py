@@ -34,14 +34,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from analysis import cosine_stats, row_cosines, stable_rank
 from checkpoint import (WRITE_LIMITS, Metrics, RunDirError, complete_checkpoints, diverged_hint, export, naming,
                         open_run_dir, resume_run, save_checkpoint)
 from configurator import configure, settings_help, unknown_key
+from data import TokenLoader, check_model_vocab, check_token_ids, data_fingerprint
 from fileio import read_json, write_json
 from init import check_overrides, format_report
-from model import (ATTN_BACKENDS, GPT, config_for, cosine_stats, init_model_, loss_tail_bytes, row_cosines,
-                   stable_rank)
-from prepare_data import TokenLoader, check_model_vocab, check_token_ids, cpu_name, data_fingerprint
+from model import ATTN_BACKENDS, GPT, config_for, init_model_, loss_tail_bytes
 
 # ----------------------------------------------------------------------------- defaults
 _IMPORTED = set(globals())  # the settings are the names assigned below, not every public name imported above
@@ -62,7 +62,8 @@ gamma = 1.0                     # every weight ~ N(0, d_in^-2γ); 0 < γ <= 3, a
                                 # the study swept 0.3-1.5
 init_overrides = {}             # {regex on parameter name: γ}, e.g. {r"^lm_head\.": 0.5} (a tied
                                 # head is tok_emb.weight: match r"^tok_emb\." instead)
-attn_backend = "auto"           # "auto": flex on CUDA, sdpa on CPU (Flex has no CPU backward)
+attn_backend = "auto"           # "auto": flex on CUDA, sdpa on CPU (Flex has no CPU backward); or one of
+                                # model.ATTN_BACKENDS, e.g. "varlen" (flash-attention's varlen kernel, CUDA)
 compile = False                 # torch.compile each block (~30 s on CPU, minutes at 1.5B)
 # batch: the global batch is fixed; grad_accum = global_batch / (batch_size * world_size)
 seq_len = 256                   # tokens per sequence
@@ -98,7 +99,7 @@ tensorboard_dir = ""            # a torch.utils.tensorboard log folder ("": none
 wandb_log = False               # Weights & Biases; WANDB_MODE=offline writes the run locally
 wandb_project = "smallinit"     # the W&B project
 wandb_run_name = ""             # "": the out_dir's name
-peak_flops = 0.0                # per device for MFU; 0: 989e12 on H100/H200, a measured fp32 peak on CPU
+peak_flops = 0.0                # per device for MFU; 0: H100/H200 datasheet bf16 (989e12 SXM), none on CPU
 dry_run = 0                     # N > 0: print the plan for N ranks and exit (no data, no GPU)
 debug_nan_step = 0              # test knob: poison the loss at this step (0: never)
 # -----------------------------------------------------------------------------
@@ -227,6 +228,8 @@ def model_config(cfg, device_type):
     backend = cfg["attn_backend"]
     if backend == "auto":
         backend = "flex" if device_type == "cuda" else "sdpa"
+    if backend == "varlen" and device_type != "cuda":
+        raise ValueError("config: attn_backend='varlen' runs on CUDA only: use auto or sdpa on this machine")
     try:
         return config_for(cfg["model_size"], **{"attn_backend": backend, **cfg["model"]})
     except (ValueError, TypeError) as e:
@@ -358,53 +361,24 @@ def memory_estimate(net, mcfg, cfg, world, accum):
 
 def matmul_peak(cfg, device):
     """(peak FLOP/s of one device for MFU, where it came from): peak_flops if set; H100/H200 bf16
-    dense from the datasheet; on CPU the best fp32 matmul rate this machine has shown (see
-    cpu_matmul_peak). 0: unknown, MFU not reported."""
+    dense from the datasheet. 0 (MFU not reported) on a CPU or an unknown GPU: a CPU's matmul rate
+    has no datasheet figure (it depends on threads, vector units and the neighbours), and a rate
+    timed at start-up under load read low enough to print MFU above 100%."""
     if cfg["peak_flops"]:
         return cfg["peak_flops"], "peak_flops setting"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        if "H100" in name and "PCIe" in name:
-            return 756e12, f"{name} datasheet"
-        if "H100" in name and "NVL" in name:
-            return 835e12, f"{name} datasheet"
-        return (989e12, f"{name} datasheet") if re.search(r"H100|H200", name) else (0.0, name)  # SXM parts
-    return cpu_matmul_peak()
-
-
-def cpu_matmul_peak(size=1024, trials=5, seconds=0.1):
-    """The fp32 matmul rate of this CPU at this thread count: the best of several timed trials
-    now, and the best ever seen here (cached per CPU model and thread count), whichever is
-    higher. A single short timing reads low whenever a neighbour is busy, which inflates MFU;
-    the machine's best is what its matmuls can reach. A local generator: drawing the operands
-    must not move the global RNG that a resumed run has just restored."""
-    a = torch.randn(size, size, generator=torch.Generator().manual_seed(0))
-    a @ a  # warm-up
-    now = 0.0
-    for _ in range(trials):
-        start, n = time.perf_counter(), 0
-        while time.perf_counter() - start < seconds:
-            a @ a
-            n += 1
-        now = max(now, 2 * size**3 * n / (time.perf_counter() - start))
-    key = f"{cpu_name()} x{torch.get_num_threads()} threads"
-    path = os.path.join(os.environ.get("SMALLINIT_CACHE", os.path.expanduser("~/.cache/smallinit")), "cpu_peak.json")
-    try:
-        cache = read_json(path)
-    except (OSError, ValueError):
-        cache = {}
-    best = max(now, cache.get(key, 0.0))
-    if best > cache.get(key, 0.0):
-        try:
-            write_json(path, {**cache, key: best})
-        except OSError:
-            pass  # a read-only home: the peak of this run is still measured
-    return best, f"{key}: best seen on this machine, {now / 1e12:.3g} TFLOP/s measured now"
+    if device.type != "cuda":
+        return 0.0, "no nominal peak on CPU: set peak_flops for MFU"
+    name = torch.cuda.get_device_name(device)
+    if "H100" in name and "PCIe" in name:
+        return 756e12, f"{name} datasheet"
+    if "H100" in name and "NVL" in name:
+        return 835e12, f"{name} datasheet"
+    return (989e12, f"{name} datasheet") if re.search(r"H100|H200", name) else (0.0, name)  # SXM parts
 
 
 @torch.no_grad()
 def weight_structure(net, names):
-    """Stable rank ||W||_F^2 / ||W||_2^2 and row-cosine statistics (model.py's definitions) of a
+    """Stable rank ||W||_F^2 / ||W||_2^2 and row-cosine statistics (analysis.py's definitions) of a
     few matrices: the condensation signal (γ=1 should show high cosine / low rank early that
     later relaxes)."""
     params = dict(net.named_parameters())
@@ -529,8 +503,11 @@ def log_step(cfg, metrics, device, step, first_line, since, train_time, lr, loss
         row.update(expert_load=load.tolist(), aux_loss=aux.item())
         moe = f" expert load max {load.max():.2f} aux {row['aux_loss']:.3g}"
     mfu = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
+    # After the last step only the final evaluation and checkpoint remain: said so, not as "eta".
+    left = (f"final evaluation and checkpoint ~{row['eta_s'] / 60:.1f} min" if step == cfg["max_steps"]
+            else f"eta {row['eta_s'] / 60:.1f} min")
     log0(f"step {step}/{cfg['max_steps']} loss {loss:.4f} lr {lr:.3g} grad norm {norm:.3g} {tps:,.0f} tok/s mfu {mfu} "
-         f"mem {row['mem_gib']:.2f} GiB eta {row['eta_s'] / 60:.1f} min{moe}"
+         f"mem {row['mem_gib']:.2f} GiB {left}{moe}"
          + (" (first step: compile and warm-up included)" if first_line else ""))
     if recorded:
         metrics.record(row)
@@ -540,14 +517,15 @@ def log_step(cfg, metrics, device, step, first_line, since, train_time, lr, loss
 
 
 def save_config(cfg, rank, meta, init_report):
-    """Rank 0: the settings into the log and config.json (with every resume's changes), and the
-    init report unless None (resumed)."""
+    """Rank 0: the settings into the log and config.json (with every resume's changes and the code
+    version of this start), and the init report unless None (resumed)."""
     if rank:
         return
     log0(json.dumps(cfg, indent=1))
     config_file = os.path.join(cfg["out_dir"], "config.json")
     with naming(config_file):
-        write_json(config_file, {**meta["config"], "resume_changes": meta["resume_changes"]})
+        write_json(config_file, {**meta["config"], "resume_changes": meta["resume_changes"],
+                                 "code_version": meta["code_version"]})
     if init_report is not None:
         log0(format_report(init_report))
 

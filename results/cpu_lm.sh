@@ -20,8 +20,8 @@ FINE_LRS=0.0017,0.0055,0.017,0.055  # LRS's geometric midpoints (lr_fine and gam
 HALF_LRS=0.001,0.0017,0.003,0.0055,0.01,0.017,0.03,0.055,0.1  # LRS and FINE_LRS merged (scale_wide)
 WIDE_SIZES="96:648:65 128:1200:120"  # d_model:max_steps:warmup_steps (scale_wide)
 SWEEP="python sweep.py $BASE --jobs $JOBS"
-# The data: globs, not folders (a folder goes through datasets' split inference, which reads only
-# the files whose names say "train": of corpus/en, one file of six).
+# The data: globs (written when a folder went through datasets' split inference and read one file of
+# corpus/en's six; a folder is now read whole, but the study's recorded sources are these globs).
 BI_BYTES="--tokenizer bytes --max-tokens 16M --source en=../shared/data/corpus/en/**/*.txt,weight=0.5
     --source zh=../shared/data/corpus/zh/four_classics/*.txt,weight=0.5"
 made() { [ -s "$1" ]; }  # an analysis whose output exists is not redone (the script is rerun to resume)

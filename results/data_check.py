@@ -17,15 +17,15 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from data import data_fingerprint  # noqa: E402
 from fileio import atomic_write_bytes, sha256_file  # noqa: E402
-from prepare_data import data_fingerprint  # noqa: E402
 
 RECORD = os.path.join(ROOT, "results", "data.json")
 
 
 def fingerprint(data_dir):
     """What the study records of a data set: the corpus files read, every shard, and the loader's
-    data fingerprint (prepare_data.data_fingerprint, which every result row names), all from bytes."""
+    data fingerprint (data.data_fingerprint, which every result row names), all from bytes."""
     with open(os.path.join(data_dir, "meta.json")) as f:
         meta = json.load(f)
     sources = {}

@@ -1,10 +1,16 @@
-"""The CUDA paths that CPU tests cannot reach: compiled FlexAttention forward and backward, bf16
-grouped GEMM experts. Skipped (saying so) on machines without a GPU, which includes CI."""
+"""The CUDA paths that CPU tests cannot reach: compiled FlexAttention forward and backward, the
+varlen (flash) backend, bf16 grouped GEMM experts. Skipped (saying so) on machines without a GPU,
+which includes CI."""
+import inspect
+
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 
+import model as model_module
 from init import gamma_init_
-from model import GPT, GPTConfig, MoE, init_model_
+from model import GPT, GPTConfig, MoE, build_attention_mask, compiled, init_model_, varlen_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 EOT = 0
@@ -34,6 +40,74 @@ def test_compiled_flex_matches_sdpa_forward_and_backward():
     assert torch.allclose(loss, ref_loss, atol=1e-4)
     for name in ref_grads:
         assert torch.allclose(grads[name], ref_grads[name], atol=1e-4, rtol=1e-3), name
+
+
+def max_error(a, b):
+    """Largest elementwise difference, relative to b's largest magnitude."""
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 2])
+def test_varlen_matches_sdpa_and_flex_in_bf16(n_kv_head):
+    cfg = GPTConfig(vocab_size=512, n_head=4, n_kv_head=n_kv_head, d_model=256, max_seq_len=512,
+                    doc_mask=True, eot_id=EOT)
+    model_module.load_varlen(GPTConfig(), torch.device("cuda"))  # imports the kernel, whatever the model
+    if n_kv_head != 4 and "enable_gqa" not in inspect.signature(model_module.varlen_attn).parameters:
+        pytest.skip(f"torch {torch.__version__}'s varlen_attn has no enable_gqa (GQA)")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    idx = torch.randint(1, 512, (2, 512), device="cuda", generator=g)
+    idx[0, [100, 300, 301]] = EOT  # two end-of-text tokens in a row: a one-token document
+    idx[1, [200, 511]] = EOT       # one at the last position
+    truth = [torch.randn(2, h, 512, 64, device="cuda", generator=g) for h in (4, n_kv_head, n_kv_head)]
+    grad_out = torch.randn(2, 4, 512, 64, device="cuda", generator=g)
+    dense = build_attention_mask(idx, cfg, "sdpa")
+    block_mask = build_attention_mask(idx, cfg, "flex")
+    varlen_mask = build_attention_mask(idx, cfg, "varlen")
+    gqa = n_kv_head != 4
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=gqa)
+
+    backends = {  # name: (attention, dtype); fp32 SDPA is the most exact of them
+        "fp32": (sdpa, torch.float32), "sdpa": (sdpa, torch.bfloat16),
+        "flex": (lambda q, k, v: compiled(flex_attention, q)(q, k, v, block_mask=block_mask, enable_gqa=gqa),
+                 torch.bfloat16),
+        "varlen": (lambda q, k, v: varlen_attention(q, k, v, varlen_mask), torch.bfloat16),
+    }
+    results = {}
+    for name, (attend, dtype) in backends.items():
+        leaves = [t.clone().to(dtype).requires_grad_() for t in truth]
+        y = attend(*leaves)
+        y.backward(grad_out.to(y.dtype))
+        results[name] = [y.detach()] + [t.grad for t in leaves]
+    # Tolerance: 2e-2 of the largest magnitude, a few bf16 roundings (8 significant bits: 2^-8 =
+    # 3.9e-3 each). A row attending across a document boundary, or not to itself, is off by O(1).
+    for other in ("fp32", "sdpa", "flex"):
+        for what, a, b in zip(("output", "dq", "dk", "dv"), results["varlen"], results[other]):
+            assert max_error(a, b) < 2e-2, (other, what, max_error(a, b))
+
+
+def test_compiled_varlen_model_trains_without_recompiling_inside_a_bucket():
+    cfg = GPTConfig(vocab_size=512, n_layer=2, n_head=4, d_model=256, max_seq_len=512, doc_mask=True, eot_id=EOT)
+    model = GPT(cfg).cuda()
+    init_model_(model, gamma=0.5)
+    model = model.bfloat16()
+    idx = torch.randint(1, 512, (2, 512), device="cuda")
+    idx[0, [100, 300]] = EOT  # 5 documents: cu_seqlens padded to 8 sequences
+    later = idx.clone()
+    later[1, 400] = EOT       # 6 documents: the same 8, so the same compiled graphs
+    with torch.no_grad():
+        _, sdpa_loss = model(later, later)  # eager, dense mask: the reference
+    model.set_attn_backend("varlen")
+    for block in model.layers:
+        block.compile()
+    _, loss = model(idx, idx)
+    loss.backward()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        _, loss = model(later, later)
+        loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    assert abs(loss.item() - sdpa_loss.item()) < 1e-2 * sdpa_loss.item()
 
 
 def test_bf16_grouped_experts_match_the_reference_loop():

@@ -680,7 +680,7 @@ def test_heldout_shares_on_trained_keys_by_hand():
 def test_bench_anchor_reports_shares_on_trained_keys_beside_all_keys(tmp_path, anchor_data, monkeypatch, capsys):
     # A model that composes on trained keys only (and answers the key itself on the rest):
     # every trained-key answer is inferential, while the all-key share is the trained keys' share.
-    from prepare_data import load_meta, read_records
+    from data import load_meta, read_records
     meta = load_meta(anchor_data)
     train_keys = set(meta["anchor"]["train_keys"])
     shift = {1: 5, 2: 1, 3: -2, 4: -8}
@@ -764,7 +764,7 @@ def test_answer_attention_equals_a_hand_softmax():
 
 
 def test_bench_anchor_end_to_end(tmp_path, anchor_data):
-    from prepare_data import load_meta, read_records
+    from data import load_meta, read_records
     meta = load_meta(anchor_data)
     model = tiny_model(vocab_size=meta["vocab_size"], eot_id=meta["eot_id"], max_seq_len=64)
     data_meta = {k: meta[k] for k in ("tokenizer", "vocab_size", "eot_id")}
@@ -801,7 +801,7 @@ def test_bench_anchor_command_reports_a_correct_models_answers(tmp_path, anchor_
     # answer: composite rule on the held-out pair, and the mirror pair's rule (symmetric).
     # load_model is replaced only because a hand-made rule is no GPT checkpoint; loading
     # itself is tested above.
-    from prepare_data import load_meta
+    from data import load_meta
     meta = load_meta(anchor_data)
     shift = {1: 5, 2: 1, 3: -2, 4: -8}
     composite = lambda x, a, b: x + shift[a] + shift[b]

@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from model import config_for, GPT, init_model_, trace_residual
+from analysis import trace_residual
+from model import config_for, GPT, init_model_
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 spec = importlib.util.spec_from_file_location("eps_regime", os.path.join(ROOT, "results", "eps_regime.py"))

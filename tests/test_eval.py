@@ -12,7 +12,7 @@ import torch
 
 import eval as ev
 from conftest import tiny_model
-from model import cosine_stats, row_cosines, stable_rank
+from analysis import cosine_stats, row_cosines, stable_rank
 from fileio import write_json
 from checkpoint import find_checkpoints, load_model
 
@@ -530,7 +530,7 @@ DATA_ARGS = ["--tokens", "512", "--batch-size", "4", "--seq-len", "32"]
 
 
 def val_batches_again(data, n):
-    from prepare_data import TokenLoader
+    from data import TokenLoader
     loader = TokenLoader(data, "val", 4, 32, seed=0)
     return [loader.next_batch(with_sources=True) for _ in range(n)]
 
@@ -559,7 +559,7 @@ def test_loss_per_source_matches_a_manual_computation(tmp_path, text_data):
 
 
 def test_loss_defaults_to_the_runs_seq_len_capped_at_max_seq_len(tmp_path, text_data):
-    from prepare_data import TokenLoader
+    from data import TokenLoader
     model = tiny_model(seed=3)
     summary = ev.main(["loss", export(model, tmp_path / "m.pt", seq_len=16), "--data", text_data,
                        "--tokens", "256", "--batch-size", "4"])["summary"]
@@ -656,7 +656,7 @@ def test_bench_refuses_the_batch_flags_it_would_ignore(flag, value, capsys):
 
 
 def test_data_the_model_does_not_fit_is_refused_in_one_line(tmp_path, text_data, capsys):
-    # train.py's check (prepare_data.check_model_vocab) before any data is read. A gpt2 model on
+    # train.py's check (data.check_model_vocab) before any data is read. A gpt2 model on
     # byte data scored a silent loss near ln(50304); a model whose vocab is smaller than the data's
     # died of an IndexError in its embedding.
     gpt2 = export(tiny_model(vocab_size=50304), tmp_path / "g.pt",

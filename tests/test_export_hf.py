@@ -6,6 +6,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -16,9 +17,10 @@ transformers = pytest.importorskip("transformers", reason="the HF export needs t
 pytest.importorskip("safetensors", reason="the HF export needs safetensors (Makefile test install)")
 
 from conftest import launch_env  # noqa: E402
+import hf_export  # noqa: E402
 from hf_export import export_hf  # noqa: E402
 from model import GPT, GPTConfig, init_model_  # noqa: E402
-from prepare_data import get_tokenizer  # noqa: E402
+from data import get_tokenizer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KIT = os.path.join(ROOT, "..", "shared", "data")
@@ -177,3 +179,131 @@ def test_a_tiktoken_run_offline_without_tokenizer_dir_is_one_line(tmp_path, monk
     with pytest.raises(SystemExit, match=r"could not download tokenizer 'gpt2'.*--tokenizer-dir"):
         export_hf(str(tmp_path / "m.pt"), str(tmp_path / "hf"))
     assert not (tmp_path / "hf").exists()  # nothing half-written
+
+
+# Run where the repo is not importable: loads the folder and saves what a test compares.
+LOAD_ELSEWHERE = """
+import dataclasses, importlib.util, sys, torch, transformers
+folder, x_path, out_path = sys.argv[1:]
+assert importlib.util.find_spec("model") is None and importlib.util.find_spec("init") is None
+hf = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+with torch.no_grad():
+    logits = hf(torch.load(x_path)).logits
+torch.save({"logits": logits, "modules": sorted(sys.modules), "gpt": type(hf.gpt).__module__,
+            "shared": all(a is b for a, b in zip(hf.children(), hf.gpt.children())),
+            "names": sorted(hf.state_dict()), "cfg": dataclasses.asdict(hf.gpt.cfg)}, out_path)
+"""
+
+
+def test_the_model_is_the_folders_model_py_and_needs_no_repo(tmp_path):
+    """The remote code wraps model.py's GPT from the folder's own copies of model.py and init.py (the
+    repo's files, model.py's import of init.py made relative, the one form transformers copies along):
+    in a process that cannot import the repo, the model loads, is that GPT under model.py's parameter
+    names and config, and gives model.py's logits."""
+    model = trained_looking_model(**CONFIGS["moe"])
+    save_export(model, tmp_path / "m.pt")
+    export_hf(str(tmp_path / "m.pt"), str(tmp_path / "hf"))
+    shipped = sorted(name for name in os.listdir(tmp_path / "hf") if name.endswith(".py"))
+    assert shipped == ["init.py", "model.py", "modeling_smallinit.py"]
+    for name in shipped:
+        with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+            repo = f.read()
+        relative = re.sub(r"(?m)^from (init|model) import ", r"from .\1 import ", repo)
+        assert (relative != repo) == (name == "model.py")
+        assert (tmp_path / "hf" / name).read_text(encoding="utf-8") == relative, name
+
+    x = torch.randint(0, EOT, (2, 40), generator=torch.Generator().manual_seed(3))
+    torch.save(x, tmp_path / "x.pt")
+    (tmp_path / "elsewhere").mkdir()
+    env = {k: v for k, v in launch_env({"HF_MODULES_CACHE": str(tmp_path / "modules")}).items() if k != "PYTHONPATH"}
+    args = [sys.executable, "-c", LOAD_ELSEWHERE, *(str(tmp_path / name) for name in ("hf", "x.pt", "out.pt"))]
+    proc = subprocess.run(args, cwd=tmp_path / "elsewhere", env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt")
+    assert "model" not in out["modules"] and "init" not in out["modules"]
+    assert out["gpt"].startswith("transformers_modules.hf.") and out["gpt"].endswith(".model") and out["shared"]
+    assert out["names"] == sorted(model.state_dict())
+    # The config round trip loses nothing but how the model runs (MoE: the reference loop, not grouped GEMMs).
+    ours = dataclasses.asdict(model.cfg)
+    assert {k for k in ours if out["cfg"][k] != ours[k]} == {"moe_impl"}
+    with torch.no_grad():
+        torch.testing.assert_close(out["logits"], model(x)[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["gelu_doc_mask", "moe"])
+def test_a_left_padded_batch_generates_each_row_as_alone(name, tmp_path):
+    """Prompts of three lengths, left-padded with end-of-text and their attention_mask, as lm-eval's
+    batched generation passes them: each row's first logits and greedy tokens are model.py's for
+    that prompt alone (the positions of a padded row are shifted, which RoPE does not see)."""
+    model = trained_looking_model(**CONFIGS[name])
+    save_export(model, tmp_path / "m.pt")
+    export_hf(str(tmp_path / "m.pt"), str(tmp_path / "hf"))
+    hf = load_hf(tmp_path / "hf")
+    T, pads = 16, [0, 5, 11]
+    prompts = torch.randint(0, EOT, (3, T), generator=torch.Generator().manual_seed(4))
+    prompts[:, T - 3] = EOT  # a document boundary inside every prompt
+    ids, mask = torch.full((3, T), EOT), torch.zeros(3, T, dtype=torch.long)
+    for row, pad in enumerate(pads):
+        ids[row, pad:], mask[row, pad:] = prompts[row, pad:], 1
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                      output_logits=True, return_dict_in_generate=True)
+    for row, pad in enumerate(pads):
+        alone = prompts[row:row + 1, pad:]
+        with torch.no_grad():
+            torch.testing.assert_close(out.logits[0][row], model(alone)[0][0, -1], atol=1e-4, rtol=0)
+        assert out.sequences[row, T:].tolist() == model.generate(alone, 12)[0]
+
+
+def test_labels_give_model_py_loss(tmp_path):
+    """HF's convention (labels are the inputs, -100 ignored, shifted inside) is model.py's loss on
+    the shifted targets (-1 ignored)."""
+    model = trained_looking_model(**CONFIGS["gated_headwise_gqa_tied"])
+    save_export(model, tmp_path / "m.pt")
+    export_hf(str(tmp_path / "m.pt"), str(tmp_path / "hf"))
+    hf = load_hf(tmp_path / "hf")
+    x = torch.randint(0, EOT, (2, 24), generator=torch.Generator().manual_seed(6))
+    labels = x.clone()
+    labels[0, 5:9] = -100
+    targets = labels[:, 1:].masked_fill(labels[:, 1:] == -100, -1)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x, labels=labels).loss, model(x[:, :-1], targets=targets)[1], atol=1e-6, rtol=0)
+
+
+REMOTE_CODE_CASES = {  # model.py's source -> the refusal, or None: what it imports
+    "import math\nfrom torch import nn\nfrom init import f\n": None,
+    "import numpy\n": "model.py line 1 imports numpy, which a HF export cannot carry",
+    "import init\n": "model.py line 1: import a project file as `from FILE import NAME` at the start of a line",
+    "x = 1; from init import f\n": "model.py line 1: import a project file",
+    "from init.sub import f\n": "model.py line 1: import a project file",
+    "def f():\n    from fileio import g\n": None,
+}
+
+
+@pytest.mark.parametrize("source", REMOTE_CODE_CASES)
+def test_remote_code_carries_project_imports_relative_and_refuses_the_rest(source, tmp_path, monkeypatch):
+    for name, text in {"modeling_smallinit.py": "import transformers\nfrom .model import GPT\n", "model.py": source,
+                       "init.py": "import torch\n", "fileio.py": "import os\n"}.items():
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(hf_export, "ROOT", str(tmp_path))
+    refusal = REMOTE_CODE_CASES[source]
+    if refusal:
+        with pytest.raises(ValueError, match=re.escape(refusal)):
+            hf_export.remote_code()
+        return
+    code = hf_export.remote_code()
+    imported = "init" if "init" in source else "fileio"
+    assert sorted(code) == sorted(["modeling_smallinit.py", "model.py", f"{imported}.py"])
+    assert code["model.py"] == source.replace(f"from {imported} import", f"from .{imported} import")
+    assert code[f"{imported}.py"] == (tmp_path / f"{imported}.py").read_text()
+
+
+def test_a_refused_import_writes_nothing(tmp_path, monkeypatch):
+    model = trained_looking_model()
+    save_export(model, tmp_path / "m.pt")
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "modeling_smallinit.py").write_text("from .model import GPT\n")
+    (tmp_path / "code" / "model.py").write_text("import numpy\n")
+    monkeypatch.setattr(hf_export, "ROOT", str(tmp_path / "code"))
+    with pytest.raises(ValueError, match="imports numpy"):
+        export_hf(str(tmp_path / "m.pt"), str(tmp_path / "hf"))
+    assert sorted(os.listdir(tmp_path)) == ["code", "m.pt"]

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+import data as D
 import prepare_data as P
 from conftest import launch_env
 from test_prepare_data import ROOT, decoded_docs, prepare, random_docs, write_jsonl
@@ -103,6 +104,7 @@ def test_unread_files_are_counted_right_through_a_symlink_on_a_cold_cache(tmp_pa
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "train.txt").write_text("read me\n")
+    (corpus / "test.txt").write_text("a test split\n")
     (corpus / "notes.txt").write_text("names no split\n")
     (tmp_path / "link").symlink_to(corpus)
     link = tmp_path / "link"
@@ -110,11 +112,13 @@ def test_unread_files_are_counted_right_through_a_symlink_on_a_cold_cache(tmp_pa
                    "--source", f"c={link}"], env={"HF_DATASETS_CACHE": str(tmp_path / "hf_cache")})
     assert run.returncode == 0, run.stderr
     warnings = [line for line in run.stderr.splitlines() if line.startswith("warning:")]
-    assert warnings == [f"warning: source c: datasets splits {link} by file names (train) and reads split 'train', "
-                        f"so 1 of its 2 data files are not read: {link / 'notes.txt'} (no split); to read every "
-                        f"file, pass a glob: --source 'c={link}/**/*.txt'"], run.stderr
+    assert warnings == [f"warning: source c: datasets splits {link} by file names (train, test) and reads split "
+                        f"'train', so 2 of its 3 data files are not read: {link / 'notes.txt'} (no split), "
+                        f"{link / 'test.txt'} (split 'test'); to read every file, pass a glob: "
+                        f"--source 'c={link}/**/*.txt'"], run.stderr
     assert decoded_docs(tmp_path / "o", "train") == ["read me\n"]
-    os.remove(corpus / "notes.txt")  # the one file is read: nothing to warn about
+    os.remove(corpus / "notes.txt")  # one split left: no layout, the one file is read whole
+    os.remove(corpus / "test.txt")
     prepare(tmp_path / "one", f"c={link}", val_fraction=0)
     assert "not read" not in capsys.readouterr().err
     assert decoded_docs(tmp_path / "one", "train") == ["read me\n"]
@@ -154,7 +158,7 @@ def split_edit(key, value):
 def test_a_broken_meta_json_is_one_line_naming_it(data_folder, edit, problem):
     with_meta(data_folder, edit)
     path = data_folder / "meta.json"
-    for read in (lambda: P.load_meta(str(data_folder)), lambda: P.TokenLoader(str(data_folder), "train", 1, 8)):
+    for read in (lambda: D.load_meta(str(data_folder)), lambda: D.TokenLoader(str(data_folder), "train", 1, 8)):
         with pytest.raises(ValueError) as e:
             read()
         message = str(e.value)

@@ -4,6 +4,8 @@ works only while the modules happen to load in one order)."""
 import ast
 import glob
 import os
+import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,6 +59,54 @@ def test_no_import_cycles_among_top_level_files():
         assert not graph[module], f"{module}.py imports {', '.join(sorted(graph[module]))}"
     for reader in ("downstream", "hf_export", "checkpoint"):  # checkpoint readers stand below train.py
         assert "train" not in graph[reader], f"{reader}.py imports train.py"
+
+
+# The core a run needs, and the study's tools and the data ingester, which it must not load: a fork
+# that keeps the core alone still trains, evaluates its checkpoints' data and resumes.
+CORE = ("model", "analysis", "init", "data", "train", "checkpoint", "configurator", "fileio")
+TOOLS = ("eval", "report", "sweep", "bench", "quickstart", "gpu_check", "prepare_data", "downstream")
+ALLOWED = {"train": {"downstream"}}  # the one tool train.py may use (its benchmarks)
+
+
+def import_chain(graph, start, target):
+    """The modules from `start` to `target` along imports (breadth-first: a shortest chain), or None."""
+    parents, todo = {start: None}, [start]
+    while todo:
+        node = todo.pop(0)
+        if node == target:
+            chain = []
+            while node is not None:
+                chain.append(node)
+                node = parents[node]
+            return chain[::-1]
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in parents:
+                parents[nxt] = node
+                todo.append(nxt)
+    return None
+
+
+def test_the_core_never_loads_the_tools_or_the_ingester():
+    graph = import_graph(ROOT)
+    assert set(CORE) <= set(graph)
+    for module in CORE:
+        for tool in TOOLS:
+            if tool in ALLOWED.get(module, ()):
+                continue
+            chain = import_chain(graph, module, tool)  # what an allowed tool imports is checked too
+            assert chain is None, " imports ".join(chain)
+    # data.py is what every reader of a data folder needs, and only that: of the project, fileio alone
+    assert graph["data"] <= {"fileio"}, f"data.py imports {', '.join(sorted(graph['data']))}"
+    # analysis.py measures a model for train.py and the tools alike: of the project, model alone
+    assert graph["analysis"] <= {"model"}, f"analysis.py imports {', '.join(sorted(graph['analysis']))}"
+
+
+def test_reading_data_does_not_load_the_ingester_packages():
+    """`datasets` and the hub client (seconds to import) are prepare_data.py's alone."""
+    heavy = ("datasets", "huggingface_hub", "pyarrow", "pandas")
+    code = f"import sys, data; print(' '.join(m for m in {heavy!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.split() == [], f"import data loads {out}"
 
 
 def test_the_cycle_finder_finds_a_lazy_cycle(tmp_path):

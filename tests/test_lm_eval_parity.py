@@ -1,5 +1,6 @@
 """Parity with lm-evaluation-harness itself: lm-eval (Python API, offline) runs its own hellaswag
-task definition on a local copy of the kit's HellaSwag items through an exported model, and
+task definition, pointed by `eval.py lm-eval-task` (the README's offline route) at a local copy
+of the kit's HellaSwag items, through an exported model, and
 `eval.py bench --task hellaswag` on the same items gives the same acc and acc_norm, and the same
 text, log-likelihoods and picks on every item compared.
 
@@ -61,26 +62,20 @@ def trained(tmp_path_factory):
     return runs
 
 
-def local_hellaswag(path, indices):
-    """The kit's text-format tasks at `indices` as published-layout records (ctx_a/ctx_b recovered
-    by downstream.split_text_context), the fields lm-eval's hellaswag task reads."""
+def kit_subset(path, indices):
+    """The kit's text-format HellaSwag, only the tasks at `indices` (6 lines each), at `path`."""
     with bz2.open(HELLASWAG, "rt", encoding="utf-8") as f:
         lines = f.read().rstrip("\n").split("\n")
-    with open(path, "w", encoding="utf-8") as f:
-        for n in indices:
-            label, ctx_a, ctx_b = ds.split_text_context(lines[6 * n])
-            f.write(json.dumps({"ind": n, "activity_label": label, "ctx_a": ctx_a, "ctx_b": ctx_b,
-                                "endings": lines[6 * n + 2:6 * n + 6], "label": lines[6 * n + 1]}) + "\n")
+    path.write_text("".join("\n".join(lines[6 * n:6 * n + 6]) + "\n" for n in indices), encoding="utf-8")
+    return str(path)
 
 
-def task_folder(folder, data_file):
-    """lm-eval's hellaswag task (its own yaml and process_docs) pointed at a local jsonl."""
-    import lm_eval
-    folder.mkdir()
-    official = os.path.join(os.path.dirname(lm_eval.__file__), "tasks", "hellaswag", "hellaswag.yaml")
-    (folder / "hellaswag_local.yaml").write_text(
-        f"include: {official}\ntask: hellaswag_local\ntag: []\ndataset_path: json\ndataset_name: null\n"
-        f"dataset_kwargs:\n  data_files:\n    validation: {data_file}\ntraining_split: null\n")
+def lm_eval_task(task, folder, name):
+    """lm-eval's task `name` as lm-eval builds it from `folder` (its own tasks left unindexed:
+    seconds instead of a minute), and the documents it scores."""
+    from lm_eval.tasks import TaskManager
+    built = TaskManager(include_path=str(folder), include_defaults=False).load([name])["tasks"][name]
+    return built, list(built.eval_docs)
 
 
 TOLERANCE = 1e-3  # nats: float32 forwards of two implementations over up to 722 bytes
@@ -103,8 +98,9 @@ def test_bench_hellaswag_equals_lm_eval_on_every_item(gate, trained, tmp_path, m
 
     indices = list(range(0, 10042, STRIDE))
     export_hf(str(trained[gate]), str(tmp_path / "hf"))
-    local_hellaswag(tmp_path / "hellaswag.jsonl", indices)
-    task_folder(tmp_path / "tasks", tmp_path / "hellaswag.jsonl")
+    # The README's offline route: eval.py lm-eval-task writes lm-eval's own task over the items.
+    ev.main(["lm-eval-task", "--task", "hellaswag", "--source", kit_subset(tmp_path / "hellaswag.txt", indices),
+             "--out-dir", str(tmp_path / "tasks")])
 
     out = lm_eval.simple_evaluate(
         model="hf", model_args=f"pretrained={tmp_path / 'hf'},trust_remote_code=True,dtype=float32",
@@ -115,7 +111,8 @@ def test_bench_hellaswag_equals_lm_eval_on_every_item(gate, trained, tmp_path, m
     theirs = out["results"]["hellaswag_local"]
     samples = sorted(out["samples"]["hellaswag_local"], key=lambda s: s["doc_id"])
 
-    ours = ev.main(["bench", str(trained[gate]), "--task", "hellaswag", "--source", str(tmp_path / "hellaswag.jsonl"),
+    local = str(tmp_path / "tasks" / "hellaswag_local.jsonl")
+    ours = ev.main(["bench", str(trained[gate]), "--task", "hellaswag", "--source", local,
                     "--json-out", str(tmp_path / "ours.json")])
     with open(tmp_path / "ours.json") as f:
         rows = json.load(f)["rows"]
@@ -125,7 +122,7 @@ def test_bench_hellaswag_equals_lm_eval_on_every_item(gate, trained, tmp_path, m
     # Every item: the text scored (lm-eval's context and " " + ending), the four log-likelihoods,
     # and both picks. A pick may differ only on a near-tie (a margin within float32 noise of the
     # two forwards), and each such item may move its metric by one item, no more.
-    items, _ = ds.read_hellaswag(str(tmp_path / "hellaswag.jsonl"))
+    items, _ = ds.read_hellaswag(local)
     near_ties, worst = {"acc": 0, "acc_norm": 0}, 0.0
     for item, row, sample in zip(items, rows, samples):
         assert sample["arguments"] == [(item["ctx"], " " + e) for e in item["endings"]]
@@ -153,3 +150,51 @@ def test_bench_hellaswag_equals_lm_eval_on_every_item(gate, trained, tmp_path, m
     print(f"\n{gate}: {len(rows)} items, acc {summary['acc']:.3f}, acc_norm {summary['acc_norm']:.3f}, "
           f"acc_norm_tokens {summary['acc_norm_tokens']:.3f}; per-character pick differs from per-token on "
           f"{per_token}, from the sum on {unnormalised}; near-ties {near_ties}, largest loglik gap {worst:.2g}")
+
+
+GSM8K = os.path.join(KIT, "eval", "gsm8k", "test.jsonl")
+MATH500 = os.path.join(KIT, "eval", "math500", "test.jsonl")
+
+
+@pytest.mark.parametrize("task,source,name", [("hellaswag", HELLASWAG, "hellaswag_local"),
+                                              ("gsm8k", GSM8K, "gsm8k_cot_local"),
+                                              ("math500", MATH500, "minerva_math500_local")])
+def test_lm_eval_task_feeds_lm_evals_own_task_what_bench_scores(task, source, name, tmp_path, monkeypatch):
+    # The offline route of the README: lm-eval's task definition (prompt, exemplars, target),
+    # loaded by lm-eval, on the local file's first items, equals what `eval.py bench` scores.
+    if not os.path.exists(source):
+        pytest.skip(f"{source} is not beside this checkout (offline data kit)")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    ev.main(["lm-eval-task", "--task", task, "--source", source, "--out-dir", str(tmp_path), "--limit", "5"])
+    written = ds.read_jsonl(str(tmp_path / f"{name}.jsonl"))
+    if task != "hellaswag":  # published jsonl: the records pass through unchanged
+        assert written == ds.read_jsonl(source)[:5]
+    if task == "math500":
+        try:
+            __import__("lm_eval.tasks.minerva_math.utils")
+        except (ImportError, AssertionError) as e:  # it asserts antlr4-python3-runtime 4.11
+            pytest.skip(f"lm-eval's minerva_math cannot load here ({str(e)[:80]}...): pip install 'lm-eval[math]'")
+    built, docs = lm_eval_task(task, tmp_path, name)
+    assert len(docs) == 5
+    if task == "hellaswag":
+        items = ds.read_hellaswag(source)[0][:5]
+        assert [(built.doc_to_text(d), built.doc_to_choice(d), built.doc_to_target(d)) for d in docs] == \
+            [(i["ctx"], i["endings"], i["label"]) for i in items]
+        return
+    records = ds.read_math_records(source, task)[:5]
+    convention = ds.gsm8k_convention(None, None) if task == "gsm8k" else ds.MINERVA
+    prompts = [built.fewshot_context(d, num_fewshot=len(convention["exemplars"])) for d in docs]
+    assert prompts == [ds.few_shot_prompt(convention, r["question"]) for r in records]
+    if task == "gsm8k":
+        assert [built.doc_to_target(d) for d in docs] == [r["reference"] for r in records]
+
+
+def test_lm_eval_task_bad_input_is_one_line(tmp_path, capsys):
+    for argv, said in ((["--task", "gsm8k", "--source", "hub"], "lm_eval reads the hub itself"),
+                       (["--task", "gsm8k", "--source", str(tmp_path / "nope.jsonl")], "no such file")):
+        with pytest.raises(SystemExit) as exit_info:
+            ev.main(["lm-eval-task", *argv, "--out-dir", str(tmp_path / "tasks")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 2 and len(err) == 1 and said in err[0]
+    assert not (tmp_path / "tasks").exists()

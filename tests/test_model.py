@@ -8,8 +8,9 @@ import torch.nn.functional as F
 
 from conftest import built, greedy_reference, moe_cfg, tiny, tiny_model
 from init import gamma_init_
-from model import (GPT, SIZES, Attention, GPTConfig, LayerNorm, MoE, RMSNorm, apply_rope, capture_attention, config_for,
-                   document_ids, generate, init_model_, rope_cos_sin, token_logprobs, trace_residual)
+from analysis import capture_attention, token_logprobs, trace_residual
+from model import (GPT, SIZES, Attention, GPTConfig, LayerNorm, MoE, RMSNorm, apply_rope, config_for, document_ids,
+                   generate, init_model_, rope_cos_sin)
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+import anchor as A
+import data as D
 import prepare_data as P
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,13 +45,13 @@ def prepare(out, *sources, **options):
     for key, value in options.items():
         argv += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
     P.main(argv)
-    return P.load_meta(str(out))
+    return D.load_meta(str(out))
 
 
 def split_stream(out, split):
     """All tokens of a split, read straight from the files (not through the loader)."""
-    meta = P.load_meta(str(out))
-    return np.concatenate([np.asarray(P.read_shard(os.path.join(out, n)).tokens) for n in meta["splits"][split]["shards"]])
+    meta = D.load_meta(str(out))
+    return np.concatenate([np.asarray(D.read_shard(os.path.join(out, n)).tokens) for n in meta["splits"][split]["shards"]])
 
 
 def decoded_docs(out, split):
@@ -70,29 +72,29 @@ def decoded_docs(out, split):
 
 
 def test_byte_level_encoding():
-    enc = P.get_tokenizer("bytes")
+    enc = D.get_tokenizer("bytes")
     text = "héllo, 世界\n\tend <|endoftext|>"
     ids = enc.encode_ordinary(text)
     assert ids == list(text.encode("utf-8"))  # literal special-token text stays plain bytes
     assert enc.decode(ids) == text
     assert (enc.n_vocab, enc.eot_token) == (257, 256)
-    assert enc.encode(P.EOT, allowed_special="all") == [256]
+    assert enc.encode(D.EOT, allowed_special="all") == [256]
 
 
 def test_offline_tokenizer_names_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError) as e:
-        P.get_tokenizer("gpt2", str(tmp_path))
+        D.get_tokenizer("gpt2", str(tmp_path))
     assert "encoder.json" in str(e.value) and "r50k_base.tiktoken" in str(e.value)
     (tmp_path / "vocab.bpe").write_text("x")
     with pytest.raises(FileNotFoundError, match=r"missing: encoder\.json"):
-        P.get_tokenizer("gpt2", str(tmp_path))
+        D.get_tokenizer("gpt2", str(tmp_path))
 
 
 def test_offline_tokenizer_rejects_wrong_hash(tmp_path):
     bad = tmp_path / "cl100k_base.tiktoken"
     bad.write_bytes(b"aGVsbG8= 0\n")  # well-formed, but not the published file
     with pytest.raises(ValueError) as e:
-        P.get_tokenizer("cl100k_base", str(tmp_path))
+        D.get_tokenizer("cl100k_base", str(tmp_path))
     assert str(bad) in str(e.value) and "sha256" in str(e.value)
 
 
@@ -100,17 +102,17 @@ def test_offline_tokenizer_rejects_wrong_hash(tmp_path):
 def test_offline_tokenizer_from_kit_and_tampered_copy(tmp_path):
     kit = os.path.join(SHARED, "tokenizers")
     # values published in the kit's README, measured with tiktoken's own downloads
-    assert P.get_tokenizer("gpt2", kit).encode_ordinary("hello world") == [31373, 995]
-    assert P.get_tokenizer("cl100k_base", kit).encode_ordinary("hello world") == [15339, 1917]
+    assert D.get_tokenizer("gpt2", kit).encode_ordinary("hello world") == [31373, 995]
+    assert D.get_tokenizer("cl100k_base", kit).encode_ordinary("hello world") == [15339, 1917]
     # only the r50k file: gpt2 still loads (same ranks), and one flipped byte is rejected
     shutil.copy(os.path.join(kit, "r50k_base.tiktoken"), tmp_path)
-    enc = P.get_tokenizer("gpt2", str(tmp_path))
+    enc = D.get_tokenizer("gpt2", str(tmp_path))
     assert enc.encode_ordinary("hello world") == [31373, 995] and enc.eot_token == 50256
     data = bytearray((tmp_path / "r50k_base.tiktoken").read_bytes())
     data[100] ^= 1
     (tmp_path / "r50k_base.tiktoken").write_bytes(bytes(data))
     with pytest.raises(ValueError, match="r50k_base.tiktoken: sha256"):
-        P.get_tokenizer("gpt2", str(tmp_path))
+        D.get_tokenizer("gpt2", str(tmp_path))
 
 
 # ---------------------------------------------------------------- shards and meta
@@ -133,10 +135,10 @@ def test_round_trip_text_to_loader(tmp_path, small_shards):
     assert len(stream) == sum(len(d.encode()) + 1 for d in docs)
     # the loader serves exactly the T-token chunks of each shard (windows never straddle shards)
     T = 16
-    loader = P.TokenLoader(str(tmp_path / "out"), "train", batch_size=1, seq_len=T)
+    loader = D.TokenLoader(str(tmp_path / "out"), "train", batch_size=1, seq_len=T)
     expected = []
     for name in meta["splits"]["train"]["shards"]:
-        tokens = np.asarray(P.read_shard(os.path.join(tmp_path / "out", name)).tokens, np.int64)
+        tokens = np.asarray(D.read_shard(os.path.join(tmp_path / "out", name)).tokens, np.int64)
         expected += [tuple(tokens[i:i + T + 1]) for i in range(0, len(tokens) - T, T)]
     got = []
     for _ in range(loader.n_windows):
@@ -180,30 +182,30 @@ def test_header_and_size_validation(tmp_path):
     with open(shard, "wb") as f:
         f.write(good[:-1])
     with pytest.raises(ValueError, match="truncated") as e:
-        P.TokenLoader(str(out), "train", 2, 8)
+        D.TokenLoader(str(out), "train", 2, 8)
     assert shard in str(e.value)
     with open(shard, "wb") as f:
         f.write(b"PK\x03\x04 not a shard" + good[20:])
     with pytest.raises(ValueError, match="not a smallinit token shard") as e:
-        P.read_shard(shard)
+        D.read_shard(shard)
     assert shard in str(e.value)
     with open(shard, "wb") as f:
         f.write(good[:8] + (99).to_bytes(4, "little") + good[12:])
     with pytest.raises(ValueError, match="format version 99"):
-        P.read_shard(shard)
+        D.read_shard(shard)
     # a valid shard with other contents than meta.json describes
     P.write_shard(shard, np.zeros(5, np.uint16), np.zeros((1, 2), np.int64))
     with pytest.raises(ValueError, match="meta.json says"):
-        P.TokenLoader(str(out), "train", 1, 2)
+        D.TokenLoader(str(out), "train", 1, 2)
     os.remove(out / "meta.json")
     with pytest.raises(FileNotFoundError, match="meta.json not found"):
-        P.load_meta(str(out))
+        D.load_meta(str(out))
 
 
 def edit_ids(shard, edit):
     """Edit a shard's token ids in place, header untouched: what a stray write or a bad copy does."""
-    n_tokens, n_docs = (int(v) for v in P.HEADER.unpack(open(shard, "rb").read(P.HEADER.size))[3:5])
-    tokens = np.memmap(shard, np.uint16, "r+", offset=P.HEADER_BYTES + 16 * n_docs, shape=(n_tokens,))
+    n_tokens, n_docs = (int(v) for v in D.HEADER.unpack(open(shard, "rb").read(D.HEADER.size))[3:5])
+    tokens = np.memmap(shard, np.uint16, "r+", offset=D.HEADER_BYTES + 16 * n_docs, shape=(n_tokens,))
     edit(tokens)
     tokens.flush()
 
@@ -216,21 +218,21 @@ def test_loader_checks_the_token_ids_in_the_shard_bytes(tmp_path):
     """meta.json still vouches for the shard (its max id and sha256), the bytes hold ids past
     the vocab: the loader (train.py's and eval.py's) refuses when it opens the shard."""
     out, shard = make_shard_folder(tmp_path)
-    P.TokenLoader(str(out), "train", 2, 8)
+    D.TokenLoader(str(out), "train", 2, 8)
     set_every_50th_id(shard, 300)
     with pytest.raises(ValueError) as e:
-        P.TokenLoader(str(out), "train", 2, 8)
+        D.TokenLoader(str(out), "train", 2, 8)
     assert str(e.value) == (f"{shard} holds token ids up to 300, meta.json recorded 256: the shard changed after "
                             f"prepare_data.py wrote it; re-run prepare_data.py for this folder")
     edit_ids(shard, lambda tokens: tokens.__setitem__(tokens > 99, 97))  # ids in range, the largest not the recorded one
     with pytest.raises(ValueError, match="holds token ids up to 99, meta.json recorded 256"):
-        P.TokenLoader(str(out), "train", 2, 8)
+        D.TokenLoader(str(out), "train", 2, 8)
     # a folder from before meta.json recorded max ids: checked against the vocab when a batch first reads the shard
     meta = json.loads((out / "meta.json").read_text())
     del meta["splits"]["train"]["shard_max_id"]
     (out / "meta.json").write_text(json.dumps(meta))
     set_every_50th_id(shard, 300)
-    loader = P.TokenLoader(str(out), "train", 2, 8)
+    loader = D.TokenLoader(str(out), "train", 2, 8)
     with pytest.raises(ValueError) as e:
         loader.next_batch()
     assert str(e.value) == (f"{shard} holds token id 300, past the data's vocab (bytes, 257 ids): the shard changed "
@@ -240,16 +242,16 @@ def test_loader_checks_the_token_ids_in_the_shard_bytes(tmp_path):
 def test_loader_argument_errors(tmp_path):
     out, _ = make_shard_folder(tmp_path)
     with pytest.raises(ValueError, match="no split 'val'"):
-        P.TokenLoader(str(out), "val", 2, 8)
+        D.TokenLoader(str(out), "val", 2, 8)
     with pytest.raises(ValueError, match="fewer than one global batch"):
-        P.TokenLoader(str(out), "train", 10_000, 8)
-    meta = P.load_meta(str(out))
-    P.check_model_vocab(meta, 257)
-    P.check_model_vocab(meta, 320, tokenizer="bytes")  # padded vocab is fine
+        D.TokenLoader(str(out), "train", 10_000, 8)
+    meta = D.load_meta(str(out))
+    D.check_model_vocab(meta, 257)
+    D.check_model_vocab(meta, 320, tokenizer="bytes")  # padded vocab is fine
     with pytest.raises(ValueError, match="vocab_size >= 257"):
-        P.check_model_vocab(meta, 256)
+        D.check_model_vocab(meta, 256)
     with pytest.raises(ValueError, match="tokenized with 'bytes'"):
-        P.check_model_vocab(meta, 50304, tokenizer="gpt2")
+        D.check_model_vocab(meta, 50304, tokenizer="gpt2")
 
 
 def test_bad_source_specs_are_one_line_errors(tmp_path):
@@ -340,13 +342,7 @@ def test_folder_files_that_split_inference_drops_are_all_named_with_a_glob_that_
     books.mkdir()
     for name, text in [("book1.txt", "one\n"), ("book2.txt", "two\n"), ("validation_notes.txt", "three\n")]:
         (books / name).write_text(text)
-    message = one_line_error(tmp_path / "o", f"b={books},sample_by=line")
-    glob_fix = f"--source 'b={books}/**/*.txt,sample_by=line'"  # the source's options are kept
-    assert message == (f"error: source b: datasets splits {books} by file names (validation) and finds no split "
-                       f"'train', so 3 of its 3 data files are not read: {books / 'book1.txt'} (no split), "
-                       f"{books / 'book2.txt'} (no split), {books / 'validation_notes.txt'} (split 'validation'); to "
-                       f"read every file, pass a glob: {glob_fix} (or pick a split with split=NAME)"), message
-    prepare(tmp_path / "all", glob_fix.split(" ", 1)[1].strip("'"), val_fraction=0)
+    prepare(tmp_path / "all", f"b={books},sample_by=line", val_fraction=0)  # one split named: no layout, all read
     assert sorted(decoded_docs(tmp_path / "all", "train")) == ["one", "three", "two"]
 
     (books / "train_a.txt").write_text("four\n")  # now a train split exists: the rest is dropped, with a warning
@@ -358,6 +354,87 @@ def test_folder_files_that_split_inference_drops_are_all_named_with_a_glob_that_
         f"of its 4 data files are not read: {books / 'book1.txt'} (no split), {books / 'book2.txt'} (no split), "
         f"{books / 'validation_notes.txt'} (split 'validation'); to read every file, pass a glob: "
         f"--source 'b={books}/**/*.txt'")
+
+
+# The offline kit's corpus/en: three corpora side by side, one of them with a train and a validation file
+KIT_EN = ["gutenberg/moby_dick.txt", "gutenberg/pride_and_prejudice.txt", "gutenberg/war_and_peace.txt",
+          "tinyshakespeare/input.txt", "tinystories/tinystories_train_prefix_2MiB.txt",
+          "tinystories/tinystories_validation_head.txt"]
+
+
+def write_named_files(root, names):
+    """One file per name, holding one line: its own name (so a document tells the file it came from)."""
+    for name in names:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(name + "\n")
+
+
+def test_a_folder_without_a_split_layout_is_read_whole(tmp_path, capsys):
+    en = tmp_path / "en"
+    write_named_files(en, KIT_EN)
+    meta = prepare(tmp_path / "kit", f"en={en},sample_by=line", val_fraction=0)
+    assert sorted(decoded_docs(tmp_path / "kit", "train")) == sorted(KIT_EN)  # all 6 files, not the 1 named train
+    assert meta["source_stats"]["en"]["split"] is None
+    out, err = capsys.readouterr()
+    assert f"(all of {en})" in out
+    stories = en / "tinystories"  # the split names are said, with how to read one split of that folder
+    assert err.splitlines()[0] == (
+        f"note: source en: all 6 data files of {en} are read, tinystories/tinystories_train_prefix_2MiB.txt (train), "
+        f"tinystories/tinystories_validation_head.txt (validation) too: their split names lay out {stories} only; to "
+        f"read one split of it, pass --source en={stories},split=NAME,sample_by=line"), err
+    prepare(tmp_path / "stories", f"en={stories},split=validation,sample_by=line", val_fraction=0)
+    assert decoded_docs(tmp_path / "stories", "train") == ["tinystories/tinystories_validation_head.txt"]
+    with pytest.raises(SystemExit, match="has no splits, it is read whole.*drop it"):
+        prepare(tmp_path / "x", f"en={en},split=validation")
+    with pytest.raises(SystemExit, match="config= picks a config that a README.md declares.*drop it"):
+        prepare(tmp_path / "x", f"en={en},config=default")
+    (stories / "tinystories_validation_head.txt").unlink()  # one file named like *_train_* is no layout either
+    capsys.readouterr()
+    prepare(tmp_path / "one", f"en={en},sample_by=line", val_fraction=0)
+    assert sorted(decoded_docs(tmp_path / "one", "train")) == sorted(KIT_EN[:5])
+    assert "note:" not in capsys.readouterr().err
+
+
+def test_a_folder_of_split_folders_reads_one_split_and_names_the_rest(tmp_path, capsys):
+    root = tmp_path / "layout"
+    write_named_files(root, ["train/a.txt", "train/b.txt", "test/c.txt", "notes.txt"])
+    prepare(tmp_path / "o", f"l={root},sample_by=line", val_fraction=0)
+    assert sorted(decoded_docs(tmp_path / "o", "train")) == ["train/a.txt", "train/b.txt"]  # no test file leaks in
+    assert capsys.readouterr().err.splitlines()[0] == (  # every file not read is named; the fix keeps the options
+        f"warning: source l: datasets splits {root} by file names (train, test) and reads split 'train', so 2 of its "
+        f"4 data files are not read: {root / 'notes.txt'} (no split), {root / 'test' / 'c.txt'} (split 'test'); to "
+        f"read every file, pass a glob: --source 'l={root}/**/*.txt,sample_by=line'")
+    prepare(tmp_path / "t", f"l={root},split=test,sample_by=line", val_fraction=0)
+    assert decoded_docs(tmp_path / "t", "train") == ["test/c.txt"]
+    shutil.rmtree(root / "train")  # splits, none of them train: the default split is an error naming the files
+    (root / "validation").mkdir()
+    (root / "validation" / "d.txt").write_text("d\n")
+    message = one_line_error(tmp_path / "x", f"l={root}")
+    assert "finds no split 'train', so 3 of its 3 data files are not read" in message
+
+
+def test_a_glob_that_stops_short_of_subfolders_names_the_recursive_one(tmp_path):
+    zh = tmp_path / "zh"  # the kit's corpus/zh shape: the .txt files one folder deeper
+    write_named_files(zh, ["four_classics/a.txt", "four_classics/b.txt"])
+    write_jsonl(zh / "poetry.jsonl", ["not .txt"])
+    fix = f"'zh={zh}/**/*.txt,weight=0.5'"
+    assert one_line_error(tmp_path / "o", f"zh={zh}/*.txt,weight=0.5") == (
+        f"error: source zh: nothing matches {zh}/*.txt: its * stops at a folder, and 2 files match {zh}/**/*.txt; "
+        f"to read them, pass --source {fix}")
+    prepare(tmp_path / "o", fix.strip("'") + ",sample_by=line", val_fraction=0)
+    assert sorted(decoded_docs(tmp_path / "o", "train")) == ["four_classics/a.txt", "four_classics/b.txt"]
+
+
+@needs_shared
+def test_the_kits_corpus_folders_are_read_whole(tmp_path):
+    corpus = os.path.join(SHARED, "corpus")
+    *_, files = P.open_source(P.parse_source(f"en={corpus}/en"))
+    assert files == sorted(os.path.join(corpus, "en", name) for name in KIT_EN)
+    with pytest.raises(FileNotFoundError, match=r"its \* stops at a folder, and 4 files match .*zh/\*\*/\*\.txt"):
+        P.source_files(P.parse_source(f"zh={corpus}/zh/*.txt"))
+    *_, files = P.open_source(P.parse_source(f"zh={corpus}/zh/**/*.txt"))
+    assert [os.path.relpath(f, corpus) for f in files] == [f"zh/four_classics/{name}.txt" for name in (
+        "hongloumeng", "sanguo_yanyi", "shuihu_zhuan", "xiyouji")]
 
 
 def test_folder_of_mixed_formats_or_no_data_is_a_one_line_error(tmp_path):
@@ -464,7 +541,7 @@ def test_progress_is_plain_lines_when_not_a_terminal(tmp_path):
     sys.stderr, saved = type("Log", (), {"write": lambda self, s: lines.append(s), "flush": lambda self: None,
                                          "isatty": lambda self: False})(), sys.stderr
     try:
-        assert list(P.progress_bar(range(7), desc="eval")) == list(range(7))
+        assert list(D.progress_bar(range(7), desc="eval")) == list(range(7))
     finally:
         sys.stderr = saved
     assert all(line.endswith("\n") and "\r" not in line for line in lines) and "7/7" in lines[-1]
@@ -501,7 +578,7 @@ def test_mixture_proportions_and_source_ids(tmp_path):
         for name, w in zip("ab", weights):
             assert abs(counts[name] / total - w) < 0.02, (counts, weights)
         # per-token source ids from the loader agree with the letters of the targets
-        loader = P.TokenLoader(str(out), "train", batch_size=8, seq_len=64)
+        loader = D.TokenLoader(str(out), "train", batch_size=8, seq_len=64)
         x, y, src = loader.next_batch(with_sources=True)
         letters = (y >= ord("a")) & (y <= ord("z"))
         assert letters.any()
@@ -589,7 +666,7 @@ def test_interrupted_run_is_refused_then_resumes(tmp_path, monkeypatch, capsys, 
     monkeypatch.setattr(P, "write_shard", real)
     # nothing a reader would take: the old meta is gone, the half shard has no final name
     with pytest.raises(FileNotFoundError, match="did not finish"):
-        P.TokenLoader(str(out), "train", 2, 8)
+        D.TokenLoader(str(out), "train", 2, 8)
     assert not os.path.exists(calls[2])
     # re-running reuses the finished tokenization and ends identical to a clean build
     capsys.readouterr()
@@ -727,26 +804,26 @@ def text_dir(tmp_path_factory):
 
 
 def test_loader_resume_is_exact(text_dir):
-    loader = P.TokenLoader(text_dir, "train", batch_size=4, seq_len=32, seed=3)
+    loader = D.TokenLoader(text_dir, "train", batch_size=4, seq_len=32, seed=3)
     steps_per_epoch = loader.n_windows // 4
     for _ in range(steps_per_epoch - 1):  # the next batches cross into epoch 1
         loader.next_batch()
     state = json.loads(json.dumps(loader.state_dict()))
     expected = [loader.next_batch(with_sources=True) for _ in range(3)]
-    resumed = P.TokenLoader(text_dir, "train", batch_size=4, seq_len=32, seed=3)
+    resumed = D.TokenLoader(text_dir, "train", batch_size=4, seq_len=32, seed=3)
     resumed.load_state_dict(state)
     for want, got in zip(expected, (resumed.next_batch(with_sources=True) for _ in range(3))):
         assert all(torch.equal(w, g) for w, g in zip(want, got))
     assert resumed.epoch == 1
-    other = P.TokenLoader(text_dir, "train", batch_size=4, seq_len=16)
+    other = D.TokenLoader(text_dir, "train", batch_size=4, seq_len=16)
     with pytest.raises(ValueError, match="different data or seq_len"):
         other.load_state_dict(state)
 
 
 def test_ranks_are_disjoint_slices_of_the_global_batch(text_dir):
     B, W = 3, 3
-    single = P.TokenLoader(text_dir, "train", batch_size=B * W, seq_len=24, seed=1)
-    ranks = [P.TokenLoader(text_dir, "train", batch_size=B, seq_len=24, rank=r, world_size=W, seed=1) for r in range(W)]
+    single = D.TokenLoader(text_dir, "train", batch_size=B * W, seq_len=24, seed=1)
+    ranks = [D.TokenLoader(text_dir, "train", batch_size=B, seq_len=24, rank=r, world_size=W, seed=1) for r in range(W)]
     seen = set()
     for _ in range(single.n_windows // (B * W)):  # one full epoch
         gx, gy = single.next_batch()
@@ -757,8 +834,8 @@ def test_ranks_are_disjoint_slices_of_the_global_batch(text_dir):
             assert not rows & seen
             seen |= rows
     assert len(seen) == single.n_windows // (B * W) * B * W
-    assert not torch.equal(P.TokenLoader(text_dir, "train", 4, 24, seed=2).next_batch()[0],
-                           P.TokenLoader(text_dir, "train", 4, 24, seed=1).next_batch()[0])
+    assert not torch.equal(D.TokenLoader(text_dir, "train", 4, 24, seed=2).next_batch()[0],
+                           D.TokenLoader(text_dir, "train", 4, 24, seed=1).next_batch()[0])
 
 
 def test_tokenization_independent_of_worker_count(tmp_path):
@@ -778,8 +855,8 @@ def test_gpt2_round_trip_on_shared_corpus(tmp_path):
     meta = prepare(tmp_path / "out", f"s={tmp_path / 's.txt'},sample_by=document", tokenizer="gpt2",
                    tokenizer_dir=kit, val_fraction=0)
     assert (meta["vocab_size"], meta["eot_id"]) == (50257, 50256)
-    enc = P.get_tokenizer("gpt2", kit)
-    assert enc.decode(split_stream(tmp_path / "out", "train").tolist()) == text + P.EOT
+    enc = D.get_tokenizer("gpt2", kit)
+    assert enc.decode(split_stream(tmp_path / "out", "train").tolist()) == text + D.EOT
 
 
 # ---------------------------------------------------------------- anchor task
@@ -795,12 +872,12 @@ def anchor_dir(tmp_path_factory):
 
 
 def test_anchor_invariants(anchor_dir):
-    meta = P.load_meta(anchor_dir)
+    meta = D.load_meta(anchor_dir)
     assert meta["record_len"] == 10 and meta["vocab_size"] == 128 and meta["dtype"] == "uint16"
     test_keys = set(meta["anchor"]["test_keys"])
     assert len(test_keys) == 16 and test_keys <= set(range(20, 100))
     for split in ("train", "val", "test", "heldout"):
-        records = P.read_records(anchor_dir, split)
+        records = D.read_records(anchor_dir, split)
         assert records.shape == (meta["splits"][split]["records"], 10)
         assert records.max() < meta["vocab_size"] and records.min() >= 0
         for row in records.tolist():
@@ -815,36 +892,36 @@ def test_anchor_invariants(anchor_dir):
             assert (a, b) != (4, 3)
             assert (key in test_keys) == (split == "test")
             assert target == (key - 6 if (a, b) == (3, 4) else key + SHIFTS[a] + SHIFTS[b])
-    train = P.read_records(anchor_dir, "train")
-    _, a, b, _ = P.anchor_fields(train)
+    train = D.read_records(anchor_dir, "train")
+    _, a, b, _ = A.anchor_fields(train)
     assert len(set(zip(a.tolist(), b.tolist()))) == 15  # every seen pair is trained
 
 
 def test_anchor_loader_masks_all_but_the_answer(anchor_dir):
-    loader = P.TokenLoader(anchor_dir, "train", batch_size=16, seed=0)
+    loader = D.TokenLoader(anchor_dir, "train", batch_size=16, seed=0)
     x, y, src = loader.next_batch(with_sources=True)
     assert x.shape == y.shape == (16, 9)
     assert (y[:, :-1] == -1).all() and (y[:, -1] >= 0).all()
-    key, a, b, _ = P.anchor_fields(torch.cat([x, y[:, -1:]], 1).numpy())
+    key, a, b, _ = A.anchor_fields(torch.cat([x, y[:, -1:]], 1).numpy())
     # The loader's answer token is the task's rule applied to the record's key and pair.
     expected = [k - 6 if (i, j) == (3, 4) else k + SHIFTS[i] + SHIFTS[j] for k, i, j in zip(key, a, b)]
     assert y[:, -1].tolist() == expected
-    names = P.load_meta(anchor_dir)["sources"]
+    names = D.load_meta(anchor_dir)["sources"]
     assert [names[s] for s in src[:, -1].tolist()] == [f"pair_{i}_{j}" for i, j in zip(a.tolist(), b.tolist())]
     with pytest.raises(ValueError, match="use seq_len=9"):
-        P.TokenLoader(anchor_dir, "train", batch_size=4, seq_len=16)
+        D.TokenLoader(anchor_dir, "train", batch_size=4, seq_len=16)
 
 
 def test_anchor_answer_kinds_and_accuracy(anchor_dir):
-    meta = P.load_meta(anchor_dir)
-    held = P.read_records(anchor_dir, "heldout")[:4]
-    key = P.anchor_fields(held)[0]
+    meta = D.load_meta(anchor_dir)
+    held = D.read_records(anchor_dir, "heldout")[:4]
+    key = A.anchor_fields(held)[0]
     predictions = np.array([key[0] - 10, key[1] - 6, key[2] + 1, key[3] - 10])
-    assert P.anchor_answer_kinds(held, predictions, meta) == {
+    assert A.anchor_answer_kinds(held, predictions, meta) == {
         "inferential": 0.5, "symmetric": 0.25, "other": 0.25, "n": 4}
-    test = P.read_records(anchor_dir, "test")[:5]
-    assert P.anchor_accuracy(test, torch.tensor(test[:, -1])) == 1.0
-    assert P.anchor_accuracy(test, np.r_[test[:3, -1], test[3:, -1] + 1]) == 0.6
+    test = D.read_records(anchor_dir, "test")[:5]
+    assert A.anchor_accuracy(test, torch.tensor(test[:, -1])) == 1.0
+    assert A.anchor_accuracy(test, np.r_[test[:3, -1], test[3:, -1] + 1]) == 0.6
 
 
 def test_anchor_same_seed_same_bytes(anchor_dir, tmp_path):
@@ -861,21 +938,21 @@ def test_anchor_key_positions(tmp_path):
     """--key-positions fixes where the key (then its pair) sits in every split; by default it is
     anywhere the key and pair fit (0 to seq_len-3)."""
     def key_positions(folder, split):
-        return set(((P.read_records(folder, split)[:, :-1] <= 4).argmax(1) - 1).tolist())  # before the first anchor
+        return set(((D.read_records(folder, split)[:, :-1] <= 4).argmax(1) - 1).tolist())  # before the first anchor
     P.main(["anchor", "--out", str(tmp_path / "late"), "--n-train", "300", "--n-eval", "100", "--key-positions", "5-6"])
     assert key_positions(tmp_path / "late", "train") == key_positions(tmp_path / "late", "heldout") == {5, 6}
     P.main(["anchor", "--out", str(tmp_path / "any"), "--n-train", "300", "--n-eval", "100"])
     assert key_positions(tmp_path / "any", "train") == set(range(7))
     with pytest.raises(ValueError, match="key positions 5-7 must lie in 0-6"):
-        P.prepare_anchor(P.AnchorTask(key_positions=(5, 7)), "unused", "")
+        P.prepare_anchor(A.AnchorTask(key_positions=(5, 7)), "unused", "")
 
 
 def test_anchor_bad_parameters():
     with pytest.raises(ValueError, match="above the anchor tokens"):
-        P.prepare_anchor(P.AnchorTask(fillers=(0, 99)), "unused", "")
+        P.prepare_anchor(A.AnchorTask(fillers=(0, 99)), "unused", "")
     with pytest.raises(ValueError, match="below token 0"):
-        P.prepare_anchor(P.AnchorTask(keys=(10, 99), fillers=(10, 99)), "unused", "")
-    assert P.anchor_vocab(P.AnchorTask()) == (128, 110)  # targets reach 109
+        P.prepare_anchor(A.AnchorTask(keys=(10, 99), fillers=(10, 99)), "unused", "")
+    assert A.anchor_vocab(A.AnchorTask()) == (128, 110)  # targets reach 109
 
 
 def test_cli_help_and_one_line_errors(tmp_path, capsys):

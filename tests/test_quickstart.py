@@ -67,7 +67,7 @@ def test_heldout_shares_match_a_hand_count(smoke):
     """Recount the held-out answers from the trained model with this file's own reading of
     the records: the key is the token before the first anchor (1..4), the pair the two after."""
     from checkpoint import load_model
-    from prepare_data import read_records
+    from data import read_records
     out, _, result, _ = smoke
     records = read_records(str(out / "data"), "heldout")
     for r in result["results"]:

@@ -1,7 +1,12 @@
-"""The README's code runs as written: every command of its bash blocks is executed here, in a
-fresh workspace, or by a named test, or (where it needs what this machine lacks) as a reduced
-variant written next to it. A README command missing from COMMANDS fails the first test, so
-the README cannot drift from what is tested."""
+"""The README's code runs as written, as a newcomer runs it: every command of its bash blocks is
+executed here in README order, in a copy of the repository that holds the study's files
+(results/, whose JSON files are not all eval.py results), on what the README's earlier commands
+wrote. A command that takes minutes runs with fewer steps or items (`fewer`: size flags only,
+never one that changes whether it works); one that needs GPUs or the network runs a stand-in,
+named beside it. A README command missing from COMMANDS fails the first test, so the README
+cannot drift from what is tested."""
+import glob
+import json
 import os
 import random
 import re
@@ -9,102 +14,130 @@ import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 
 import pytest
+import torch
 
-from conftest import launch_env
+import downstream as ds
+import eval as ev
+from conftest import launch_env, tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KIT = os.path.join(ROOT, "..", "shared", "data")
+SHARED = os.path.join(ROOT, "..", "shared")  # the offline data kit is SHARED/data, beside the clone
+KIT = os.path.join(SHARED, "data")
 
-# Fewer steps than the README: the commands and their plumbing are what is tested here.
-SHORT_TINY = "--max_steps=6 --warmup_steps=2 --eval_interval=3 --ckpt_interval=3 --global_batch=8 --batch_size=8"
-SHORT_SWEEP = " ".join(f"--set {s}" for s in ("max_steps=4", "warmup_steps=1", "eval_interval=2", "ckpt_interval=2"))
-SHORT_ANCHOR = "--max_steps=30 --warmup_steps=5 --eval_interval=15 --ckpt_interval=15 --log_interval=10"
+# The flags `fewer` may set: how long a command runs, never what it runs.
+SIZES = ("--max_steps", "--warmup_steps", "--eval_interval", "--ckpt_interval", "--limit", "--seeds", "--eval-tokens",
+         "--set max_steps", "--set warmup_steps", "--set eval_interval", "--set ckpt_interval")
 
-# README command -> (where, reduced variant or None for the command as written, why it differs).
-# "run" and "side": executed in one workspace in README order, as two lanes side by side (one
-# core each). A "side" command reads only what the "run" commands before the first "side" one
-# wrote (the data folders), never what a later "run" command writes. "after": once both lanes
-# are done (it reads both lanes' output). "kit": after that, needing the offline data kit
-# (tokenizer files, benchmark files). None: another test or CI runs it.
+
+def fewer(command, *sizes):
+    """`command` with these size flags ('--max_steps=6', '--limit 10', '--set max_steps=4') set in
+    place of its own, or added where it has none; any other flag is refused."""
+    for size in sizes:
+        flag = re.match(r"--set \w+|--[\w-]+", size).group(0)
+        assert flag in SIZES, f"{flag} is not a size flag: a reduced command may differ in sizes only"
+        own = re.compile(re.escape(flag) + r"[= ]\S+")
+        command = own.sub(lambda _: size, command, count=1) if own.search(command) else f"{command} {size}"
+    return command
+
+
+def sizes_only(command):
+    """`command` without its size flags and with ckpt_NNNNNNNN (the step a run reached) as
+    ckpt_*: two commands equal under it differ in how long they run, not in what they run."""
+    for flag in SIZES:
+        command = re.sub(re.escape(flag) + r"[= ]\S+", "", command)
+    return " ".join(re.sub(r"ckpt_\d{8}", "ckpt_*", command).split())
+
+
+TINY_STEPS = ("--max_steps=6", "--warmup_steps=2", "--eval_interval=3", "--ckpt_interval=3")
+TINY_CKPT = "out/tiny_bytes/ckpt_00000006"  # what the shortened tiny_bytes run wrote last
+ANCHOR_STEPS = ("--max_steps=30", "--warmup_steps=5", "--eval_interval=15", "--ckpt_interval=15")
+SWEEP_STEPS = ("--seeds 0", "--eval-tokens 8192", "--set max_steps=4", "--set warmup_steps=1", "--set eval_interval=2",
+               "--set ckpt_interval=2")
+TINY = "python train.py config/tiny_bytes.py"
+G1 = f"{TINY} --data_dir=data/bi_bytes --out_dir=out/g1 --max_steps=300 --eval_interval=100 --ckpt_interval=100 " \
+    "--keep_last=5"
+G05 = (f"{TINY} --data_dir=data/bi_bytes --out_dir=out/g05 --max_steps=300 --eval_interval=100 --ckpt_interval=100 "
+       "--keep_last=5 --gamma=0.5 --model.norm_eps=1e-5 --model.attn_gate=none")
+LR_GRID = ("python sweep.py config/cpu_lm.py --arm recipe= --arm baseline=config/_baseline.py --grid lr=1e-3,3e-3,1e-2 "
+           "--seeds 0,1,2 --name lr_grid --jobs 2 --results-dir out")
+HF_ARGS = "--model hf --model_args pretrained=out/hf/tiny_bytes,trust_remote_code=True,dtype=float32"
+LM_EVAL_LOCAL = f"lm_eval {HF_ARGS} --include_path out/lm_eval_tasks --tasks hellaswag_local --device cpu " \
+    "--batch_size 16"
+EVAL_KIT = "../shared/data/eval"
+
+# README command -> (where, what runs instead or None for the command as written, why).
+# Where: "run" and "side" are executed in one workspace in README order, as two lanes side by
+# side (one core each). A "side" command reads only what the "run" commands before the first
+# "side" one wrote (the data folders), never what a later "run" command writes. "after": once
+# both lanes are done (it reads both lanes' output). "kit": then, needing the offline data kit;
+# "lm_eval": last, needing the kit and lm-eval. None: another test or CI runs it.
 COMMANDS = {
     "make quickstart": (None, None, "tests/test_quickstart.py runs quickstart.py --smoke (reduced size)"),
     "make test": (None, None, "CI runs it (.ci/run)"),
     "python prepare_data.py anchor --out data/anchor": ("run", None, ""),
     "python prepare_data.py text --out data/bytes --source en=my_corpus/en --tokenizer bytes": ("run", None, ""),
-    "python prepare_data.py text --out data/bi --tokenizer cl100k_base --tokenizer-dir tokenizers "
+    "python prepare_data.py text --out data/bi_bytes --tokenizer bytes --source en=my_corpus/en,weight=0.5 "
+    "--source 'zh=my_corpus/zh/*.txt,weight=0.5'": ("run", None, ""),
+    "python prepare_data.py text --out data/bi --tokenizer cl100k_base --tokenizer-dir ../shared/data/tokenizers "
     "--source en=my_corpus/en,weight=0.5 --source 'zh=my_corpus/zh/*.txt,weight=0.5'": ("kit", None, ""),
     "python prepare_data.py text --out data/fineweb --tokenizer cl100k_base --max-tokens 2B "
     "--source fw=hf:HuggingFaceFW/fineweb-edu,config=sample-10BT":
-        ("kit", "python prepare_data.py text --out data/fineweb --tokenizer cl100k_base --tokenizer-dir tokenizers "
-                "--max-tokens 20K --source fw=hf:hub_standin", "no network: a local folder stands in for the hub"),
-    "python train.py config/tiny_bytes.py": ("run", f"python train.py config/tiny_bytes.py {SHORT_TINY}", "6 steps of 8 sequences"),
+        ("kit", "python prepare_data.py text --out data/fineweb --tokenizer cl100k_base --tokenizer-dir "
+                "../shared/data/tokenizers --max-tokens 20K --source fw=hf:hub_standin",
+         "stand-in: no network, so a local folder stands in for the hub and the kit for the tokenizer download"),
+    TINY: ("run", fewer(TINY, *TINY_STEPS), "500 steps take ~8 minutes"),
     "python train.py config/anchor_gamma1.py":
-        ("run", f"python train.py config/anchor_gamma1.py {SHORT_ANCHOR}", "30 steps"),
+        ("run", fewer("python train.py config/anchor_gamma1.py", *ANCHOR_STEPS), "4,680 steps take ~4 minutes"),
     "torchrun --standalone --nproc_per_node=8 train.py config/gamma1_1p5b.py":
-        ("side", "python train.py config/gamma1_1p5b.py --dry_run=8", "no GPUs here: built and planned for 8 ranks"),
+        ("side", "python train.py config/gamma1_1p5b.py --dry_run=8",
+         "stand-in: no GPUs, built and planned for 8 ranks"),
     "torchrun --nnodes=4 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 --rdzv_id=gamma1 "
     "train.py config/gamma1_1p5b.py":
-        ("side", "python train.py config/gamma1_1p5b.py --dry_run=32", "no GPUs here: planned for 4 x 8 ranks"),
+        ("side", "python train.py config/gamma1_1p5b.py --dry_run=32", "stand-in: no GPUs, planned for 4 x 8 ranks"),
     "python train.py config/gamma1_1p5b.py --dry_run=8": ("side", None, ""),
-    "python train.py export out/tiny_bytes/ckpt_00000500 tiny_bytes.pt":
-        ("run", "python train.py export out/tiny_bytes/ckpt_00000006 tiny_bytes.pt", "the 6-step run's checkpoint"),
-    "python sweep.py config/cpu_lm.py --arm recipe= --arm baseline=config/_baseline.py --grid lr=1e-3,3e-3,1e-2 "
-    "--seeds 0,1,2 --name lr_grid --jobs 2":
-        ("side", "python sweep.py config/cpu_lm.py --arm recipe= --arm baseline=config/_baseline.py --grid lr=1e-3,1e-2 "
-                 f"--seeds 0 --name lr_grid --jobs 2 --eval-tokens 4096 {SHORT_SWEEP} --set data_dir=data/bytes",
-         "4 steps, 2 lrs, 1 seed, on the English bytes made above (data/bi_bytes comes later)"),
-    "python eval.py report results/lr_grid.json --plot-x lr --out report.md": ("side", None, ""),
+    LR_GRID: ("side", fewer(LR_GRID, *SWEEP_STEPS), "18 runs of 320 steps take ~40 minutes"),
+    "python eval.py report out/lr_grid.json --plot-x lr --out out/lr_grid.md": ("side", None, ""),
     "python sweep.py config/cpu_lm.py --arm 'g05=,gamma=0.5,lr=0.01' --arm 'g1=,gamma=1.0,lr=0.003' --seeds 0,1,2 "
-    "--name gamma_pair --dry-run": ("side", None, ""),
+    "--name gamma_pair --results-dir out --dry-run": ("side", None, ""),
     "python bench.py":
         ("side", "python bench.py --variants reference,default,moe-grouped --batch 2 --seq-len 16 --steps 1 --repeats 2 "
-                "--warmup 1", "3 variants, 32-token steps"),
-    "python bench.py --suite cuda --json-out bench_cuda.json":
+                 "--warmup 1", "stand-in: the suite takes ~30 minutes (compiles); 3 of its variants, 32-token steps"),
+    "python bench.py --suite cuda --json-out out/bench_cuda.json":
         (None, None, "needs a GPU: its plan is the --dry-run command below; tests/test_bench.py runs its variants shrunk"),
     "python bench.py --suite cuda --dry-run": ("side", None, ""),
-    "python train.py export out/tiny_bytes/ckpt_00000500 hf/tiny_bytes --format hf":
-        ("run", "python train.py export out/tiny_bytes/ckpt_00000006 hf/tiny_bytes --format hf",
-         "the 6-step run's checkpoint"),
-    "lm_eval --model hf --model_args pretrained=hf/tiny_bytes,trust_remote_code=True,dtype=float32 "
-    "--tasks hellaswag,gsm8k_cot,minerva_math500 --device cuda --batch_size 16":
-        (None, None, "its tasks read the hub and it wants a GPU; tests/test_lm_eval_parity.py runs lm-eval's "
-                     "hellaswag task through its Python API on local data"),
-    "python prepare_data.py text --out data/bi_bytes --tokenizer bytes --source en=my_corpus/en,weight=0.5 "
-    "--source 'zh=my_corpus/zh/*.txt,weight=0.5'": ("run", None, ""),
-    "python train.py config/tiny_bytes.py --data_dir=data/bi_bytes --out_dir=out/g1 --max_steps=300 "
-    "--eval_interval=100 --ckpt_interval=100 --keep_last=5":
-        ("run", f"python train.py config/tiny_bytes.py --data_dir=data/bi_bytes --out_dir=out/g1 {SHORT_TINY} "
-                "--keep_last=5", "6 steps of 8 sequences"),
-    "python train.py config/tiny_bytes.py --data_dir=data/bi_bytes --out_dir=out/g05 --max_steps=300 "
-    "--eval_interval=100 --ckpt_interval=100 --keep_last=5 --gamma=0.5 --model.norm_eps=1e-5 --model.attn_gate=none":
-        ("run", f"python train.py config/tiny_bytes.py --data_dir=data/bi_bytes --out_dir=out/g05 {SHORT_TINY} "
-                "--keep_last=5 --gamma=0.5 --model.norm_eps=1e-5 --model.attn_gate=none", "6 steps of 8 sequences"),
-    "python eval.py loss out/g1 --data data/bi_bytes --json-out results/loss_g1.json": ("run", None, ""),
+    G1: ("run", fewer(G1, *TINY_STEPS), "300 steps take ~5 minutes"),
+    G05: ("run", fewer(G05, *TINY_STEPS), "300 steps take ~5 minutes"),
+    "python eval.py loss out/g1 --data data/bi_bytes --json-out out/loss_g1.json": ("run", None, ""),
     "python eval.py tokens out/g1 out/g05 --data data/bi_bytes": ("run", None, ""),
     "python eval.py sink out/g1 --data data/bi_bytes": ("run", None, ""),
     "python eval.py weights out/g1": ("run", None, ""),
     "python eval.py residual out/g1 --data data/bi_bytes": ("run", None, ""),
     "python eval.py residual --init --widths 64 128 256 512 --gamma 1 --mlp swiglu": ("side", None, ""),
-    "ln -s ../shared/data/eval evals":
-        ("kit", f"ln -s {os.path.join(KIT, 'eval')} evals", "the kit lies beside the repository, not this workspace"),
-    "python eval.py bench out/g1 --task hellaswag --source evals/hellaswag/hellaswag_val_full.txt.bz2 --limit 200 "
-    "--truncate left":
-        ("kit", "python eval.py bench out/g1 --task hellaswag --source evals/hellaswag/hellaswag_val_full.txt.bz2 "
-                "--limit 10 --truncate left", "10 items"),
-    "python eval.py bench out/g1 --task gsm8k --source evals/gsm8k/test.jsonl --limit 20 --truncate left":
-        ("kit", "python eval.py bench out/g1 --task gsm8k --source evals/gsm8k/test.jsonl --limit 2 --truncate left "
-                "--max-new-tokens 16", "2 problems, 16 new tokens"),
-    "python eval.py bench out/g1 --task math500 --source evals/math500/test.jsonl --limit 20 --truncate left":
-        ("kit", "python eval.py bench out/g1 --task math500 --source evals/math500/test.jsonl --limit 2 --truncate left "
-                "--max-new-tokens 16", "2 problems, 16 new tokens"),
+    f"python eval.py bench out/g1 --task hellaswag --source {EVAL_KIT}/hellaswag/hellaswag_val_full.txt.bz2 "
+    "--limit 200 --truncate left": ("kit", None, ""),
+    f"python eval.py bench out/g1 --task gsm8k --source {EVAL_KIT}/gsm8k/test.jsonl --limit 20 --truncate left":
+        ("kit", None, ""),
+    f"python eval.py bench out/g1 --task math500 --source {EVAL_KIT}/math500/test.jsonl --limit 20 --truncate left":
+        ("kit", None, ""),
     "python eval.py bench out/anchor_gamma1 --task anchor --data data/anchor": ("run", None, ""),
     "python eval.py scaling --baseline 1e6=2.10 3e6=1.90 1e7=1.75 3e7=1.66 --compare 3e6=1.80": ("side", None, ""),
-    "python eval.py report results/*.json --out report.md": ("after", None, ""),
-    'python eval.py sample out/g1 --prompt "ROMEO:" --temperature 0.8':
-        ("run", 'python eval.py sample out/g1 --prompt "ROMEO:" --temperature 0.8 --max-new-tokens 20', "20 tokens"),
+    "python eval.py report out/*.json --out out/report.md": ("after", None, ""),
+    "python eval.py report results/*.json --out out/study.md": ("side", None, ""),
+    'python eval.py sample out/g1 --prompt "ROMEO:" --temperature 0.8': ("run", None, ""),
+    "python train.py export out/tiny_bytes/ckpt_00000500 out/tiny_bytes.pt":
+        ("run", f"python train.py export {TINY_CKPT} out/tiny_bytes.pt", "the 6-step run's last checkpoint"),
+    "python train.py export out/tiny_bytes/ckpt_00000500 out/hf/tiny_bytes --format hf":
+        ("run", f"python train.py export {TINY_CKPT} out/hf/tiny_bytes --format hf", "the 6-step run's last checkpoint"),
+    f"lm_eval {HF_ARGS} --tasks hellaswag,gsm8k_cot,minerva_math500 --device cuda --batch_size 16":
+        (None, None, "its tasks read the hub and it wants a GPU; the offline route below runs lm-eval here"),
+    f"python eval.py lm-eval-task --task hellaswag --source {EVAL_KIT}/hellaswag/hellaswag_val_full.txt.bz2 "
+    "--out-dir out/lm_eval_tasks": ("lm_eval", None, ""),
+    LM_EVAL_LOCAL: ("lm_eval", fewer(LM_EVAL_LOCAL, "--limit 10"), "10,042 items take ~30 minutes on CPU"),
 }
+KINDS = {"run", "side", "after", "kit", "lm_eval", None}
 
 
 def readme():
@@ -130,33 +163,53 @@ def readme_commands():
 
 
 def test_readme_is_a_front_page():
-    # The study lives in results/README.md; the front page stays short enough to read (issue 24).
+    # How to run things comes first, the study lives in results/README.md (issue 24, 39).
     text = readme()
     assert len(text) <= 20_000, f"README.md has {len(text):,} characters, over 20,000: move detail to results/README.md"
+    titles = re.findall(r"(?m)^## (.*)$", text)
+    assert titles[0] == "Quick start" and titles.index("Verdicts") > titles.index("Using init.py in another codebase")
+    assert "| claim | verdict" not in text, "the verdict table lives in results/README.md"
 
 
 def test_every_readme_command_is_covered():
     commands = readme_commands()
     assert len(commands) == len(set(commands))
-    assert {where for where, _, _ in COMMANDS.values()} <= {"run", "side", "after", "kit", None}  # a typo never runs
+    assert {where for where, _, _ in COMMANDS.values()} <= KINDS  # a typo never runs
     assert set(commands) == set(COMMANDS), (
         f"not covered: {sorted(set(commands) - set(COMMANDS))}; gone from the README: {sorted(set(COMMANDS) - set(commands))}")
+    # Every variant says why, and differs from the README in sizes only, or is a named stand-in
+    # for what this machine lacks (GPUs, the network, half an hour).
+    for command, (_, instead, why) in COMMANDS.items():
+        assert instead is None or why, command
+        assert instead is None or why.startswith("stand-in") or sizes_only(instead) == sizes_only(command), command
+
+
+def test_readme_outputs_stay_out_of_the_tracked_tree():
+    # User outputs go to out/ (git-ignored): never into results/ (the study's) or the repo root.
+    ignored = open(os.path.join(ROOT, ".gitignore")).read().split()
+    assert "out/" in ignored and "data/" in ignored
+    for command in readme_commands():
+        for flag, path in re.findall(r"(--json-out|--out|--out-dir|--results-dir)[ =](\S+)", command):
+            assert path.split("/")[0] in ("out", "data"), f"{command}: {flag} {path}"
+        if " export " in command:
+            assert command.split()[-1 if "--format" not in command else -3].startswith("out/"), command
 
 
 def lines_to_run(where):
     """(README command, shell line) for the commands run `where`, in README order."""
     for command in readme_commands():
-        kind, reduced, _ = COMMANDS[command]
+        kind, instead, _ = COMMANDS[command]
         if kind == where:
-            yield command, reduced or command
+            yield command, instead or command
 
 
 def run(line, cwd):
+    """stdout and stderr of one shell line, which must succeed."""
     env = launch_env({"PYTHONUNBUFFERED": "1"})
     line = re.sub(r"^python ", f"{sys.executable} ", line)
-    proc = subprocess.run(line, shell=True, cwd=cwd, capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(line, shell=True, cwd=cwd, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, f"{line}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
-    return proc.stdout
+    return proc.stdout + proc.stderr
 
 
 def write_corpus(folder, alphabet, docs, seed):
@@ -170,13 +223,19 @@ def write_corpus(folder, alphabet, docs, seed):
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    """A copy of the repo's code and configs with small generated corpora; every 'run' command
-    of the README executed there in README order. Returns (folder, {command: stdout})."""
-    ws = tmp_path_factory.mktemp("readme")
+    """A clone's files (code, configs, the study's results/) with small generated corpora, the
+    offline kit beside it as it lies beside this checkout, and every 'run', 'side' and 'after'
+    command of the README executed there. Returns (folder, {command: output})."""
+    base = tmp_path_factory.mktemp("readme")
+    ws = base / "smallinit"
+    ws.mkdir()
     for name in os.listdir(ROOT):
         if name.endswith(".py"):
             shutil.copy(os.path.join(ROOT, name), ws)
-    shutil.copytree(os.path.join(ROOT, "config"), ws / "config")
+    for folder in ("config", "results"):
+        shutil.copytree(os.path.join(ROOT, folder), ws / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    if os.path.isdir(SHARED):
+        os.symlink(os.path.realpath(SHARED), base / "shared")
     write_corpus(ws / "my_corpus" / "en", "abcdefghijklmnopqrstuvwxyz", 2000, seed=0)
     write_corpus(ws / "my_corpus" / "zh", "天地玄黄宇宙洪荒日月盈昃辰宿列张寒来暑往秋收冬藏", 2000, seed=1)
     return ws, run_lanes(ws)
@@ -185,11 +244,10 @@ def workspace(tmp_path_factory):
 def run_lanes(ws):
     """The "run" commands up to the first "side" one, then the rest of "run" and the "side"
     commands as two lanes side by side (each in README order), then the "after" commands.
-    Returns {command: stdout}."""
-    todo = [(command, COMMANDS[command][0], line) for kind in ("run", "side", "after")
-            for command, line in lines_to_run(kind)]
+    Returns {command: output}."""
     order = readme_commands()
-    todo.sort(key=lambda item: order.index(item[0]))
+    todo = sorted(((command, COMMANDS[command][0], line) for kind in ("run", "side", "after")
+                   for command, line in lines_to_run(kind)), key=lambda item: order.index(item[0]))
     first_side = next(i for i, (_, kind, _) in enumerate(todo) if kind == "side")
     out = {command: run(line, ws) for command, kind, line in todo[:first_side] if kind == "run"}
 
@@ -202,34 +260,132 @@ def run_lanes(ws):
     return out
 
 
+def study_files_in(report_md, output):
+    """{results/*.json name: 'reported' | 'skipped'} as `eval.py report results/*.json` left them."""
+    seen = {}
+    for path in glob.glob(os.path.join(ROOT, "results", "*.json")):
+        name = os.path.basename(path)
+        reported, skipped = f"({name};" in report_md or f"| {name} |" in report_md, f"skipped results/{name}:" in output
+        assert reported != skipped, f"{name}: reported {reported}, skipped {skipped}"
+        seen[name] = "reported" if reported else "skipped"
+    return seen
+
+
 @pytest.mark.slow
 def test_readme_commands_run(workspace):
     ws, out = workspace
     assert "world 8:" in out["python train.py config/gamma1_1p5b.py --dry_run=8"]
-    assert (ws / "tiny_bytes.pt").exists() and (ws / "report.md").exists()
-    assert (ws / "hf" / "tiny_bytes" / "model.safetensors").exists()
-    loss = out["python eval.py loss out/g1 --data data/bi_bytes --json-out results/loss_g1.json"]
+    assert (ws / "out" / "tiny_bytes.pt").exists() and (ws / "out" / "hf" / "tiny_bytes" / "model.safetensors").exists()
+    loss = out["python eval.py loss out/g1 --data data/bi_bytes --json-out out/loss_g1.json"]
     assert re.search(r"^\s*en\s", loss, flags=re.M) and re.search(r"^\s*zh\s", loss, flags=re.M)
     assert "heldout" in out["python eval.py bench out/anchor_gamma1 --task anchor --data data/anchor"]
     assert "ROMEO:" in out['python eval.py sample out/g1 --prompt "ROMEO:" --temperature 0.8']
+    # The user's results in one report: the loss JSON and the sweep, from out/ only.
+    report = (ws / "out" / "report.md").read_text()
+    assert "loss_g1.json" in report and "### sweep lr_grid (lr_grid.json" in report
+    assert (ws / "out" / "lr_grid.png").exists()
+    # The study's files as a clone has them: every result reported, every other JSON file named.
+    said = out["python eval.py report results/*.json --out out/study.md"]
+    seen = study_files_in((ws / "out" / "study.md").read_text(), said)
+    assert "skipped" in seen.values() and "reported" in seen.values()
+    # Nothing written outside out/ and data/ (and the corpora the test made).
+    tracked = {"config", "results", "my_corpus"} | {n for n in os.listdir(ROOT) if n.endswith(".py")}
+    assert set(os.listdir(ws)) - tracked - {"__pycache__"} == {"out", "data"}
+    assert sorted(os.listdir(ws / "results")) == sorted(n for n in os.listdir(os.path.join(ROOT, "results"))
+                                                        if n != "__pycache__")
+
+
+def kit_lines(where, ws):
+    if not os.path.isdir(KIT):
+        pytest.skip("../shared/data (tokenizer files, HellaSwag, GSM8K, MATH-500) is not beside this checkout")
+    return {command: run(line, ws) for command, line in lines_to_run(where)}
 
 
 @pytest.mark.slow
 def test_readme_commands_needing_the_offline_kit(workspace):
-    if not os.path.isdir(KIT):
-        pytest.skip("../shared/data (tokenizer files, HellaSwag, GSM8K) is not beside this checkout")
     ws, _ = workspace
-    shutil.copytree(os.path.join(KIT, "tokenizers"), ws / "tokenizers", dirs_exist_ok=True)
     os.makedirs(ws / "hub_standin", exist_ok=True)
     shutil.copy(ws / "my_corpus" / "en" / "part0.txt", ws / "hub_standin" / "part0.txt")
-    outputs = {command: run(line, ws) for command, line in lines_to_run("kit")}
-    assert len(outputs) == 6
-    hellaswag = outputs["python eval.py bench out/g1 --task hellaswag --source evals/hellaswag/hellaswag_val_full.txt.bz2 "
-                        "--limit 200 --truncate left"]
+    outputs = kit_lines("kit", ws)
+    assert len(outputs) == 5
+    hellaswag = outputs[f"python eval.py bench out/g1 --task hellaswag --source "
+                        f"{EVAL_KIT}/hellaswag/hellaswag_val_full.txt.bz2 --limit 200 --truncate left"]
     assert "acc_norm" in hellaswag and "truncated" in hellaswag
     for task, metric in (("gsm8k", "flexible_match"), ("math500", "exact_match")):
-        out = outputs[f"python eval.py bench out/g1 --task {task} --source evals/{task}/test.jsonl --limit 20 --truncate left"]
-        assert metric in out and "lm-eval" in out
+        out = outputs[f"python eval.py bench out/g1 --task {task} --source {EVAL_KIT}/{task}/test.jsonl --limit 20 "
+                      "--truncate left"]
+        # The README's model has 256 positions: half of them go to the completion, the prompt is cut.
+        assert metric in out and "lm-eval" in out and re.search(r"max_new_tokens\s.*\n.*\b128\b", out), out[-1500:]
+
+
+@pytest.mark.slow
+def test_readme_offline_lm_eval_route(workspace):
+    pytest.importorskip("lm_eval", reason="lm-eval is optional (make test installs it)")
+    ws, _ = workspace
+    outputs = kit_lines("lm_eval", ws)
+    assert (ws / "out" / "lm_eval_tasks" / "hellaswag_local.yaml").exists()
+    assert re.search(r"hellaswag_local\s*\|.*\|\s*acc\s", outputs[LM_EVAL_LOCAL]), outputs[LM_EVAL_LOCAL][-2000:]
+
+
+# ----------------------------------------------------------------------------- the fixes behind the path
+
+def export(model, path):
+    """A byte model in `train.py export`'s consolidated layout."""
+    torch.save({"model": model.state_dict(), "model_config": asdict(model.cfg), "step": 0, "config": {},
+                "data_meta": {"tokenizer": "bytes", "vocab_size": 257, "eot_id": 256}}, path)
+    return str(path)
+
+
+@pytest.mark.parametrize("window,shots,want", [
+    (256, None, 128),   # the README's tiny_bytes model: the 8-shot prompt (~3,000 bytes) cut, half the window new
+    (256, 0, 256 - len(b"Q: What is 2+2?\nA:")),  # a short prompt leaves more than half: all that is left
+    (2048, 0, 256),     # a long window: lm-eval's 256
+])
+def test_bench_generation_budget_fits_the_window(tmp_path, monkeypatch, window, shots, want):
+    # A fixed default of 256 new tokens left a 256-position model no room for a prompt: exit 2.
+    (tmp_path / "gsm.jsonl").write_text(json.dumps({"question": "What is 2+2?", "answer": "#### 4"}) + "\n")
+    ckpt = export(tiny_model(max_seq_len=window), tmp_path / "m.pt")
+    calls, generate = [], ds.generate
+    monkeypatch.setattr(ds, "generate", lambda model, prompt, n, *args: calls.append((len(prompt), n))
+                        or generate(model, prompt, n, *args))
+    argv = ["bench", ckpt, "--task", "gsm8k", "--source", str(tmp_path / "gsm.jsonl"), "--truncate", "left"]
+    summary = ev.main(argv + ([] if shots is None else ["--shots", str(shots)]))["summary"]
+    assert summary["max_new_tokens"] == want and summary["truncated"] == (shots is None)
+    ((prompt, new),) = calls
+    assert new == want and prompt == (window - want if shots is None else len(b"Q: What is 2+2?\nA:"))
+
+
+def test_report_skips_what_is_not_a_result_and_names_it(tmp_path, capsys):
+    loss = {"analysis": "loss", "ckpt": "out/g1", "summary": {"loss": 2.5, "ppl": 12.18}, "rows": []}
+    files = {"loss_g1.json": json.dumps(loss), "bench_cpu.json": json.dumps({"suite": "cpu", "rows": []}),
+             "eps_regime_r.json": json.dumps({"analysis": "eps_regime_r", "points": []}),
+             "broken.json": '{"analysis": "loss", "summ', "list.json": "[1, 2]"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    paths = [str(tmp_path / n) for n in sorted(files)]
+    ev.main(["report", *paths, "--out", str(tmp_path / "report.md")])
+    err = capsys.readouterr().err.splitlines()
+    skipped = sorted(f"skipped {tmp_path / n}" for n in files if n != "loss_g1.json")
+    assert sorted(line.split(":")[0] for line in err) == skipped
+    report = (tmp_path / "report.md").read_text()
+    assert "| loss_g1.json | 2.5" in report and "bench_cpu" not in report
+    # Nothing to report: one line, and no report written.
+    with pytest.raises(SystemExit) as exit_info:
+        ev.main(["report", str(tmp_path / "bench_cpu.json"), "--out", str(tmp_path / "none.md")])
+    assert exit_info.value.code == 2 and "none of the 1 file(s)" in capsys.readouterr().err
+    assert not (tmp_path / "none.md").exists()
+
+
+def test_report_of_the_study_names_every_file_it_does_not_report(tmp_path, capsys):
+    # What `eval.py report results/*.json` meets in a clone: sweeps and other JSON files.
+    paths = sorted(glob.glob(os.path.join(ROOT, "results", "*.json")))
+    ev.main(["report", *paths, "--out", str(tmp_path / "study.md")])
+    err = capsys.readouterr().err.replace(os.path.join(ROOT, ""), "")
+    seen = study_files_in((tmp_path / "study.md").read_text(), err)
+    for path in paths:
+        result = json.load(open(path))
+        is_result = isinstance(result, dict) and "analysis" in result and "summary" in result
+        assert seen[os.path.basename(path)] == ("reported" if is_result else "skipped"), path
 
 
 def test_init_example_runs_with_init_py_alone(tmp_path):

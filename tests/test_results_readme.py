@@ -1,6 +1,6 @@
 """The study's numbers come from the committed results. Every decimal number in the claims tables
-of results/README.md (header "| the paper says ..." or "| the predecessor says ...") and in the
-front page's verdict table (header "| claim | verdict ...") must appear as text in a result file
+of results/README.md (header "| the paper says ..." or "| the predecessor says ...") and in its
+verdict table (header "| claim | verdict ...") must appear as text in a result file
 (results/report_*.md or results/*.json; a leading sign and a trailing % or × are not part of the
 number), or be listed below: ROUNDED names the file and the value a rounded number was taken
 from (checked: the value is in that file and rounds to the number), KNOWN says where a number
@@ -205,8 +205,8 @@ def test_claims_tables_numbers_come_from_result_files():
 
 
 def test_verdict_table_numbers_come_from_result_files():
-    rows = table_rows(open(os.path.join(ROOT, "README.md")).read(), VERDICT_HEADERS)
-    assert len(rows) >= 19, "the front page's verdict table was not found"
+    rows = table_rows(open(os.path.join(RESULTS, "README.md")).read(), VERDICT_HEADERS)
+    assert len(rows) >= 19, "the verdict table of results/README.md was not found"
     assert unexplained(rows, result_text()) == []
 
 
@@ -218,7 +218,7 @@ def test_every_listed_rounding_holds_and_every_exception_is_used():
             assert consistent(number, value), f"{number} is not {value} rounded"
     used = set()
     for path, headers in ((os.path.join(RESULTS, "README.md"), CLAIMS_HEADERS),
-                          (os.path.join(ROOT, "README.md"), VERDICT_HEADERS)):
+                          (os.path.join(RESULTS, "README.md"), VERDICT_HEADERS)):
         for _, row in table_rows(open(path).read(), headers):
             used.update(numbers(row))
     assert (set(ROUNDED) | set(KNOWN)) - used == set(), "listed, but in no claims or verdict table"
