@@ -48,8 +48,10 @@ def wide_rows(arm, d):
     grid = [r for r in load(f"scale_wide_lr_{arm}.json") if width_of(r) == d]
     if not grid:
         return []
-    best = min(grid, key=lambda r: r["eval"]["loss"]["summary"]["loss"])
     rest = [r for r in load("scale_wide.json") if r["arm"] == f"{arm}_d{d}"]
+    if not rest:  # the grid may still be widening: a width enters once its seeds 1-2 ran at its best
+        return []
+    best = min(grid, key=lambda r: r["eval"]["loss"]["summary"]["loss"])
     for r in rest:
         assert r["config"]["lr"] == best["config"]["lr"], f"{r['point']} ran at lr {r['config']['lr']}, " \
             f"the seed-0 best is {best['config']['lr']}: rerun `bash results/cpu_lm.sh scale_wide`"

@@ -95,3 +95,10 @@ def test_confirmation_verdict(gains, want):
         m, sd = np.mean(gains), np.std(gains, ddof=1)
         lo, hi = m - T5 * sd / math.sqrt(6), m + T5 * sd / math.sqrt(6)
         assert want == ("reproduced" if lo > 0 else "opposite" if hi < 0 else "not resolved")
+
+
+def test_a_width_whose_seeds_have_not_run_is_left_out(study):
+    tmp_path, files = study
+    kept = [r for r in files["scale_wide.json"] if not r["arm"].endswith("_d128")]
+    write_json(tmp_path / "scale_wide.json", {"rows": kept})
+    assert sorted(scale_wide.runs()) == [24, 32, 48, 64, 96]  # 128's grid alone does not enter the trend
