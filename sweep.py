@@ -23,7 +23,6 @@ on Linux they are also stopped when the sweep is SIGKILLed.
 
 import argparse
 import ctypes
-import errno
 import fcntl
 import glob
 import itertools
@@ -37,7 +36,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
-from checkpoint import RunDirError, code_version, metrics_rows, newest_in_run
+from checkpoint import RunDirError, code_version, metrics_rows, newest_in_run, open_in_run_dir
 from configurator import at_least, parse_value  # a grid value is read as train.py reads --key=value
 from fileio import open_nofollow, write_json
 from prepare_data import cpu_name
@@ -204,19 +203,6 @@ def point_result(args, point, run_dir, wall_s, command):
             "machine": machine()}
 
 
-def open_in_run(path, flags):
-    """os.open of a file the sweep writes in a run folder. A run folder may come from someone else
-    (rsync, a shared disk): a link planted there as sweep.lock or sweep.log would have the sweep
-    truncate or append to any file the user can write, so a link is refused, its target untouched."""
-    try:
-        return open_nofollow(path, flags)
-    except OSError as e:
-        if e.errno != errno.ELOOP:
-            raise
-        raise RuntimeError(f"{path} is a symlink: remove it and rerun (the sweep writes its own files in the "
-                           "run folder, never through a link)") from None
-
-
 class PointBusy(Exception):
     """Another live sweep (the same --name, started twice) is running this point."""
 
@@ -226,7 +212,7 @@ def lock_point(run_dir):
     released by the kernel when the sweep dies (no stale lock after a kill). It covers training
     and the evaluations, where train.py's own lock covers only training. The file says who
     holds it, for the sibling's message."""
-    fd = open_in_run(os.path.join(run_dir, "sweep.lock"), os.O_RDWR | os.O_CREAT)
+    fd = open_in_run_dir(os.path.join(run_dir, "sweep.lock"), os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -313,7 +299,7 @@ def run_point(args, point, run_dir):
         train = [sys.executable, os.path.join(HERE, "train.py"), *train_args(args, point, run_dir)]
         evals = [[sys.executable, os.path.join(HERE, c[0]), *c[1:]] for c in eval_commands(args, run_dir).values()]
         start = time.time()
-        log_fd = open_in_run(os.path.join(run_dir, "sweep.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        log_fd = open_in_run_dir(os.path.join(run_dir, "sweep.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         with os.fdopen(log_fd, "a") as log:
             for cmd in [train, *evals]:
                 log.write(f"$ {' '.join(cmd)}\n")
@@ -483,7 +469,7 @@ def run_all(args, pending, todo):
             except PointBusy as e:
                 busy.append(pt["name"])
                 print(f"skipped (busy) {pt['name']}: {e}", flush=True)
-            except RuntimeError as e:
+            except (RuntimeError, RunDirError) as e:  # RunDirError: a symlink planted as sweep.lock or sweep.log
                 failures.append(str(e))
                 print(f"failed {e}", flush=True)
             write_results(args, todo)

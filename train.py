@@ -39,7 +39,7 @@ from checkpoint import (WRITE_LIMITS, Metrics, RunDirError, complete_checkpoints
                         open_run_dir, resume_run, save_checkpoint)
 from configurator import configure, settings_help, unknown_key
 from data import TokenLoader, check_model_vocab, check_token_ids, data_fingerprint
-from fileio import read_json, write_json
+from fileio import write_json
 from init import check_overrides, format_report
 from model import ATTN_BACKENDS, GPT, config_for, init_model_, loss_tail_bytes
 

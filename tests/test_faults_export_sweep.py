@@ -165,8 +165,8 @@ def test_a_link_planted_as_the_sweep_lock_or_log_is_refused(name, tmp_path):
     assert victim.read_text() == "a file of the user's, anywhere\n" and os.path.islink(run / name)
     err = proc.stderr.strip()
     assert proc.returncode == 1 and "\n" not in err and "Traceback" not in err, proc.stderr[-2000:]
-    assert err == f"error: {run / name} is a symlink: remove it and rerun (the sweep writes its own files in the " \
-                  "run folder, never through a link)"
+    assert err == f"error: {run / name} is a symlink: not followed (a run folder's files are its own); replace it " \
+                  "with a regular file or remove it, then rerun"
     assert not (run / "config.json").exists()  # train.py never started
 
 
