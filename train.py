@@ -41,7 +41,7 @@ from configurator import configure, settings_help, unknown_key
 from data import TokenLoader, check_model_vocab, check_token_ids, data_fingerprint
 from fileio import write_json
 from init import check_overrides, format_report
-from model import ATTN_BACKENDS, GPT, config_for, init_model_, loss_tail_bytes
+from model import ATTN_BACKENDS, GPT, config_for, init_model_, load_varlen, loss_tail_bytes
 
 # ----------------------------------------------------------------------------- defaults
 _IMPORTED = set(globals())  # the settings are the names assigned below, not every public name imported above
@@ -228,12 +228,13 @@ def model_config(cfg, device_type):
     backend = cfg["attn_backend"]
     if backend == "auto":
         backend = "flex" if device_type == "cuda" else "sdpa"
-    if backend == "varlen" and device_type != "cuda":
-        raise ValueError("config: attn_backend='varlen' runs on CUDA only: use auto or sdpa on this machine")
     try:
-        return config_for(cfg["model_size"], **{"attn_backend": backend, **cfg["model"]})
+        mcfg = config_for(cfg["model_size"], **{"attn_backend": backend, **cfg["model"]})
     except (ValueError, TypeError) as e:
         raise ValueError(f"config: model_size={cfg['model_size']!r}, model={cfg['model']}: {e}") from None
+    if mcfg.attn_backend == "varlen":  # its device and torch checks, before any run folder exists
+        load_varlen(mcfg, torch.device(device_type))
+    return mcfg
 
 
 def grad_accum(cfg, world):

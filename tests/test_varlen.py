@@ -159,7 +159,7 @@ def test_unusable_varlen_is_one_line_naming_the_fix(monkeypatch, kernel, importa
 
 def test_train_refuses_varlen_without_cuda():
     cfg = {**train.DEFAULTS, "attn_backend": "varlen"}
-    with pytest.raises(ValueError, match="attn_backend='varlen' runs on CUDA only"):
+    with pytest.raises(ValueError, match="attn_backend='varlen' runs flash-attention kernels, CUDA only, not cpu"):
         train.model_config(cfg, "cpu")
     assert train.model_config(cfg, "cuda").attn_backend == "varlen"
 
