@@ -24,9 +24,9 @@ import threading
 import time
 
 from anchor import AnchorTask
-from eval import pyplot, save_figure
 from fileio import write_json
-from prepare_data import cpu_name, usable_cores
+from prepare_data import usable_cores
+from report import cpu_name, pyplot, save_figure
 from train import load_config
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -223,8 +223,8 @@ def main(argv=None):
     cpu = cpu_name()
     print(table(results, cpu, args.jobs))
     write_json(os.path.join(out, "quickstart.json"),
-               {"smoke": args.smoke, "seed": args.seed, "cpu": cpu, "jobs": args.jobs, "settings": settings, "data": data,
-                "results": results})
+               {"smoke": args.smoke, "seed": args.seed, "cpu": cpu, "jobs": args.jobs, "settings": settings,
+                "data": data, "results": results})
     png = os.path.join(out, "quickstart.png")
     if plot(results, curves, png):
         print(f"plot: {png}")

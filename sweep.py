@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from checkpoint import RunDirError, code_version, metrics_rows, newest_in_run, open_in_run_dir
 from configurator import at_least, parse_value  # a grid value is read as train.py reads --key=value
 from fileio import open_nofollow, write_json
-from prepare_data import cpu_name
+from report import cpu_name
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -193,7 +193,8 @@ def point_result(args, point, run_dir, wall_s, command):
         with open(os.path.join(run_dir, f"eval_{name}.json")) as f:
             result = json.load(f)
         evals[name] = {"summary": result["summary"], "rows": result["rows"] if name == "loss" else None}
-    return {"point": point["name"], "arm": point["arm"], "arm_configs": point["configs"], "arm_set": point["arm_set"], "setting": point["setting"],
+    return {"point": point["name"], "arm": point["arm"], "arm_configs": point["configs"], "arm_set": point["arm_set"],
+            "setting": point["setting"],
             "seed": point["seed"], "run_dir": run_dir, "command": command, "config": config,
             "git_commit": git_commit(), "tokens": train_rows[-1]["tokens"] if train_rows else 0,
             "final_train_loss": train_rows[-1]["loss"] if train_rows else None,

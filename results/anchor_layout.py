@@ -20,8 +20,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from eval import pyplot, save_figure  # noqa: E402
 from fileio import atomic_write_bytes  # noqa: E402
+from report import pyplot, save_figure  # noqa: E402
 
 LENGTHS, WINDOWS, ARMS = (9, 12, 15), ("first", "any", "last"), ("recipe", "baseline")
 WINDOW_NAMES = {"first": "key in the first 5 positions", "any": "key anywhere", "last": "key in the last 5 positions"}
@@ -83,7 +83,8 @@ def report(found, source):
             s = {arm: [margins(runs[arm][k]) for k in sorted(runs[arm])] for arm in ARMS}
             t = {arm: [margins(runs[arm][k], "_trained_keys") for k in sorted(runs[arm])] for arm in ARMS}
             trained = {arm: fmt(t[arm]) if t[arm] and None not in t[arm] else "—" for arm in ARMS}
-            lines.append(f"| {n} | {WINDOW_NAMES[w]} | {fmt(s['recipe'])} | {fmt(s['baseline'])} | {trained['recipe']} | "
+            lines.append(f"| {n} | {WINDOW_NAMES[w]} | {fmt(s['recipe'])} | {fmt(s['baseline'])} | "
+                         f"{trained['recipe']} | "
                          f"{trained['baseline']} | {sum(v > 0 for v in s['recipe'])} of {len(s['recipe'])} | "
                          f"{sum(v < 0 for v in s['baseline'])} of {len(s['baseline'])} | {source[(n, w)]} |")
     return "\n".join(lines) + "\n"
@@ -104,14 +105,16 @@ def mechanism(found):
              "Mean over seeds of the attention from the last input position (whose output is the answer) to "
              "the key and to the two pair positions, layer 0 and layer 1, averaged over heads and held-out "
              "records; s as above. Claim 7's runs are the tuned layout (length 9, key anywhere), seeds 100–105.", "",
-             "| cells | arm | runs | mean s | key L0 | pair L0 | key L1 | pair L1 |", "|---|---|---|---|---|---|---|---|"]
+             "| cells | arm | runs | mean s | key L0 | pair L0 | key L1 | pair L1 |",
+             "|---|---|---|---|---|---|---|---|"]
     for (n, w, arm), seeds in sorted(runs.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]), kv[0][2])):
         scored = [v for v in seeds.values() if ATTENTION[0] in v]
         if not scored:
             continue
         where = "claim 7 (length 9, key anywhere)" if n == "claim 7" else f"length {n}, {WINDOW_NAMES[w]}"
         att = " | ".join(f"{statistics.mean(v[k] for v in scored):.3f}" for k in ATTENTION)
-        lines.append(f"| {where} | {arm} | {len(scored)} | {statistics.mean(margins(v) for v in scored):+.2f} | {att} |")
+        lines.append(f"| {where} | {arm} | {len(scored)} | "
+                     f"{statistics.mean(margins(v) for v in scored):+.2f} | {att} |")
     return "\n".join(lines) + "\n" if len(lines) > 7 else ""
 
 
@@ -120,8 +123,8 @@ def plot(found, path):
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
     fig.suptitle("s = inferential − symmetric share of the held-out answers (> 0 composes, < 0 copies)")
     for ax, arm in zip(axes, ARMS):
-        grid = [[statistics.mean(margins(v) for v in found[(n, w, arm)].values()) if found.get((n, w, arm)) else float("nan")
-                 for w in WINDOWS] for n in LENGTHS]
+        grid = [[statistics.mean(margins(v) for v in found[(n, w, arm)].values()) if found.get((n, w, arm))
+                 else float("nan") for w in WINDOWS] for n in LENGTHS]
         im = ax.imshow(grid, cmap="RdBu", vmin=-1, vmax=1, origin="lower")
         for i, row in enumerate(grid):
             for j, v in enumerate(row):

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
 import checkpoint  # noqa: E402
 import train  # noqa: E402
 from fileio import read_json, write_json  # noqa: E402
-from prepare_data import cpu_name  # noqa: E402
+from report import cpu_name  # noqa: E402
 
 
 class NoHashing(checkpoint.HashingStream):

@@ -36,8 +36,10 @@ def fingerprint(data_dir):
         base = os.sep.join(parts[:next(i for i, part in enumerate(parts + ["*"]) if glob.has_magic(part))])
         for path in sorted(glob.glob(pattern, recursive=True)):
             sources[f"{spec['name']}: {os.path.relpath(path, base)}"] = sha256_file(path)
-    shards = {name: sha256_file(os.path.join(data_dir, name)) for info in meta["splits"].values() for name in info["shards"]}
-    uncached = {**meta, "splits": {split: {k: v for k, v in info.items() if k != "shard_sha256"}  # hashed from the files
+    shards = {name: sha256_file(os.path.join(data_dir, name))
+              for info in meta["splits"].values() for name in info["shards"]}
+    # shard_sha256 is left out: the shards are hashed from the files
+    uncached = {**meta, "splits": {split: {k: v for k, v in info.items() if k != "shard_sha256"}
                                    for split, info in meta["splits"].items()}}
     return {"sources": sources, "shards": shards, "data_fingerprint": data_fingerprint(data_dir, uncached)}
 

@@ -32,9 +32,10 @@ import torch  # noqa: E402
 from checkpoint import load_model  # noqa: E402
 from data import data_fingerprint, load_meta  # noqa: E402
 from downstream import check_data_fits  # noqa: E402
-from eval import T_975, config_value, format_delta, mean_interval, pyplot, save_figure, seed_deltas, val_batches  # noqa: E402
+from eval import val_batches  # noqa: E402
 from fileio import atomic_write_bytes, read_json, write_json  # noqa: E402
 from model import LayerNorm, RMSNorm, init_model_  # noqa: E402
+from report import T_975, config_value, format_delta, mean_interval, pyplot, save_figure, seed_deltas  # noqa: E402
 
 R_PAPER = 1e-5 * 2048 ** 2  # the paper's d 2048, γ=1, ε=1e-5: r = 41.9
 REFERENCE_EPS = 1e-9  # ε below this is the sweep's ε=1e-12 reference (r ≤ 4e-9 at every width here)
@@ -131,14 +132,16 @@ def control_rows(curve_list):
     for gamma, d, eps, r, deltas, _ in curve_list:
         if gamma == 1 or not deltas:
             continue
-        ref = sorted((c[2], c[3], float(np.mean(list(c[4].values())))) for c in curve_list if c[0] == 1 and c[1] == d and c[4])
+        ref = sorted((c[2], c[3], float(np.mean(list(c[4].values()))))
+                     for c in curve_list if c[0] == 1 and c[1] == d and c[4])
 
         def read(x, column):
             xs = np.log10([point[column] for point in ref])
             # 1e-6: the sweep's 6-digit ε puts equal ε a hair apart.
             inside = len(ref) >= 2 and xs[0] - 1e-6 <= math.log10(x) <= xs[-1] + 1e-6
             return float(np.interp(math.log10(x), xs, [point[2] for point in ref])) if inside else None
-        out.append({"gamma": gamma, "d": d, "eps": eps, "r": r, "deltas": deltas, "at_eps": read(eps, 0), "at_r": read(r, 1)})
+        out.append({"gamma": gamma, "d": d, "eps": eps, "r": r, "deltas": deltas,
+                    "at_eps": read(eps, 0), "at_r": read(r, 1)})
     return out
 
 
@@ -169,7 +172,8 @@ def paper_rows(curve_list, gains):
         at = {nominal_r(r): (r, deltas) for gamma, dd, eps, r, deltas, _ in curve_list if gamma == 1 and dd == d}
         lo, hi = at.get(10.0), at.get(100.0)
         mid = interpolate_at(lo[1], lo[0], hi[1], hi[0]) if lo and hi else {}
-        out.append({"d": d, "r10": lo[1] if lo else {}, "r100": hi[1] if hi else {}, "r42": mid, "gain": gains.get(d, {})})
+        out.append({"d": d, "r10": lo[1] if lo else {}, "r100": hi[1] if hi else {}, "r42": mid,
+                    "gain": gains.get(d, {})})
     return out
 
 
@@ -194,7 +198,8 @@ def norm_input_squares(model, inputs):
     each token's mean square)}. The norm divides each token by its own mean square, so the median
     token shows whether a few large tokens carry the mean."""
     seen = {name: [] for name, _ in norm_modules(model)}
-    hooks = [m.register_forward_hook(lambda m, args, out, name=name: seen[name].append(args[0].float().pow(2).mean(-1).flatten()))
+    hooks = [m.register_forward_hook(
+                 lambda m, args, out, name=name: seen[name].append(args[0].float().pow(2).mean(-1).flatten()))
              for name, m in norm_modules(model)]
     try:
         for x in inputs:
@@ -303,7 +308,8 @@ def ordering(curve_list, measured):
                 continue
             final = run_r(entry)
             summaries = {"r_init = ε·d^(2γ)": r,
-                         "r at init, measured (median over norms)": float(np.median(list(run_r(entry, "init").values()))),
+                         "r at init, measured (median over norms)":
+                             float(np.median(list(run_r(entry, "init").values()))),
                          "r_final (median over norms)": float(np.median(list(final.values()))),
                          "r_final (largest over norms)": max(final.values()),
                          **{f"r_final at {name}": v for name, v in final.items()}}
@@ -408,7 +414,8 @@ def control_section(runs, curve_list):
              "At d=64, γ=0.5 ran at γ=1's ε values, so its r = ε·d is 64x smaller. If ε acted alone, γ=0.5's Δ would "
              "match γ=1's at the same ε; by the law, γ=1's at the same r (γ=1's mean curve, linear in log between "
              "its points; '—' outside γ=1's range). 'inside?': in γ=0.5's 95% interval. γ=0.5 runs at its own lr "
-             f"({', '.join(f'{v:g}' for v in lrs[0.5]) or '—'}, against γ=1's {', '.join(f'{v:g}' for v in lrs[1.0]) or '—'}), "
+             f"({', '.join(f'{v:g}' for v in lrs[0.5]) or '—'}, "
+             f"against γ=1's {', '.join(f'{v:g}' for v in lrs[1.0]) or '—'}), "
              "so the control differs in more than γ.", "",
              "| arm | ε | r = ε·d | Δ measured [95%] | γ=1 at the same ε | inside? | γ=1 at the same r | inside? |",
              "|---|---|---|---|---|---|---|---|"]
@@ -446,10 +453,12 @@ def paper_section(runs, curve_list, gains, confirm_gain):
     # The gain comes from another sweep: its recipe runs should be this sweep's ε=1e-12 runs again.
     checks = []
     for d, (name, recipe, _) in GAIN_FILES.items():
-        ours = {run["seed"]: run["loss"] for run in runs if run["gamma"] == 1 and run["d"] == d and run["eps"] < REFERENCE_EPS}
+        ours = {run["seed"]: run["loss"] for run in runs
+                if run["gamma"] == 1 and run["d"] == d and run["eps"] < REFERENCE_EPS}
         path = os.path.join(HERE, name)
         if ours and os.path.exists(path):
-            theirs = {r["seed"]: r["eval"]["loss"]["summary"]["loss"] for r in read_json(path)["rows"] if r["arm"] == recipe}
+            theirs = {r["seed"]: r["eval"]["loss"]["summary"]["loss"]
+                      for r in read_json(path)["rows"] if r["arm"] == recipe}
             diffs = [abs(ours[s] - theirs[s]) for s in ours if s in theirs]
             if diffs:
                 checks.append(f"d={d}: largest |difference| {max(diffs):.2g} over {len(diffs)} seeds")
@@ -525,7 +534,8 @@ def plot(curve_list, measured, gains, path):
                 if (g, dd) != (gamma, d) or not deltas:
                     continue
                 if which == "final":
-                    values = [v for run in rs if run["point"] in measured for v in run_r(measured[run["point"]]).values()]
+                    values = [v for run in rs if run["point"] in measured
+                              for v in run_r(measured[run["point"]]).values()]
                     if not values:
                         continue
                     r = float(np.median(values))
@@ -547,7 +557,8 @@ def plot(curve_list, measured, gains, path):
         for d, g in gains.items():
             if g and (1.0, d) in colours:
                 ax.axhline(float(np.mean(list(g.values()))), color=colours[(1.0, d)], ls=":", lw=1)
-        ax.set_xlabel("r_init = ε·d^(2γ)" if which == "init" else "r_final = ε / mean square at the norm (median over norms and seeds)")
+        ax.set_xlabel("r_init = ε·d^(2γ)" if which == "init"
+                      else "r_final = ε / mean square at the norm (median over norms and seeds)")
     axes[0][0].set_ylabel("Δloss = loss(ε) − loss(ε=1e-12)  (mean, 95% interval)")
     axes[0][0].legend(fontsize=8, title="dotted: the recipe's gain over the baseline", title_fontsize=7)
     fig.suptitle("RMSNorm ε against the residual stream's scale")

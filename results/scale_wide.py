@@ -7,7 +7,7 @@ Per width: the gain g = baseline − recipe, paired by seed, with its 95% t-inte
 seed, the least-squares slope of g against log2(width) over widths 32-128 (the gain per doubling of
 width); those slopes' mean and 95% t-interval are the seed-paired slope (a seed's runs share nothing
 across widths but the seed number, so this is the honest unit of replication). The pooled fit over
-every (width, seed) point is printed beside it. The effective-size fit (eval.py's power law with
+every (width, seed) point is printed beside it. The effective-size fit (report.py's power law with
 offset through the baseline's seed means, the recipe's widths read as baseline sizes) over all
 widths. Width 128's confirmation (results/confirm_wide.md, seeds 100-105, results/confirm_wide.json)
 is reported on its own, by the pre-registered rule.
@@ -22,8 +22,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 import numpy as np  # noqa: E402
 
-from eval import effective_size, fit_power_law, format_delta, mean_interval, pyplot, save_figure, seed_deltas  # noqa: E402
 from fileio import atomic_write_bytes, read_json  # noqa: E402
+from report import (effective_size, fit_power_law, format_delta, mean_interval, pyplot, save_figure,  # noqa: E402
+                    seed_deltas)
 
 # Width -> (file, recipe arm, baseline arm) for the widths with one file of 3 seeds each.
 SEEDED = {24: ("scale.json", "recipe_d24", "baseline_d24"), 32: ("scale.json", "recipe_d32", "baseline_d32"),
@@ -99,7 +100,7 @@ def trend(gains):
 
 
 def fit_sizes(by_width):
-    """eval.py's effective-size fit on seed means: the baseline's widths fix L(N) = a·N^-α + c, each
+    """report.py's effective-size fit on seed means: the baseline's widths fix L(N) = a·N^-α + c, each
     recipe width becomes the baseline size reaching its loss."""
     base = [(np.mean([params(r) for r in rows["baseline"]]), np.mean([loss(r) for r in rows["baseline"]]))
             for rows in by_width.values()]
@@ -167,7 +168,8 @@ def report():
              "| d_model | N recipe | N baseline | lr recipe | lr baseline | recipe | baseline | gain per seed | gain |",
              "|---|---|---|---|---|---|---|---|---|"]
     for d, rows in by_width.items():
-        cells = [f"{mean_interval([loss(r) for r in rows[a]])[0]:.4f} ± {mean_interval([loss(r) for r in rows[a]])[1] or 0:.4f}"
+        cells = [f"{mean_interval([loss(r) for r in rows[a]])[0]:.4f} ± "
+                 f"{mean_interval([loss(r) for r in rows[a]])[1] or 0:.4f}"
                  for a in ARMS]
         lrs = ["/".join(sorted({f"{r['config']['lr']:g}" for r in rows[a]})) for a in ARMS]
         lines.append(f"| {d} | {params(rows['recipe'][0]):,} | {params(rows['baseline'][0]):,} | {lrs[0]} | {lrs[1]} | "
@@ -196,7 +198,8 @@ def report():
     lines += ["", "## Width 128, confirmation seeds 100-105 (results/confirm_wide.md)", ""]
     if deltas:
         lines += [f"Recipe lr {recipe[0]['config']['lr']:g}, baseline lr {baseline[0]['config']['lr']:g}; "
-                  f"{len(deltas)} seeds: gain per seed {', '.join(f'{s}: {g:+.4f}' for s, g in sorted(deltas.items()))}; "
+                  f"{len(deltas)} seeds: gain per seed "
+                  f"{', '.join(f'{s}: {g:+.4f}' for s, g in sorted(deltas.items()))}; "
                   f"{format_delta(list(deltas.values()))}; {sum(g > 0 for g in deltas.values())} of {len(deltas)} "
                   f"positive. By the pre-registered rule: **{verdict(deltas)}**."]
     else:

@@ -15,6 +15,7 @@ from conftest import tiny_model
 from analysis import cosine_stats, row_cosines, stable_rank
 from fileio import write_json
 from checkpoint import find_checkpoints, load_model
+from report import effective_size, fit_power_law, format_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "..", "shared", "data")
@@ -157,7 +158,7 @@ def synthetic_scaling(noise, seed, a=400.0, alpha=0.32, c=1.8):
 
 def test_power_law_fit_recovers_known_parameters():
     n, loss = synthetic_scaling(0.0, 0)
-    fit = ev.fit_power_law(n, loss)
+    fit = fit_power_law(n, loss)
     assert fit["alpha"] == pytest.approx(0.32, rel=1e-5)
     assert fit["a"] == pytest.approx(400.0, rel=1e-4)
     assert fit["c"] == pytest.approx(1.8, rel=1e-5)
@@ -165,7 +166,7 @@ def test_power_law_fit_recovers_known_parameters():
 
 def test_power_law_uncertainty_matches_monte_carlo_spread():
     # The Jacobian standard error of α must describe how α actually scatters over noise draws.
-    fits = [ev.fit_power_law(*synthetic_scaling(0.005, seed)) for seed in range(150)]
+    fits = [fit_power_law(*synthetic_scaling(0.005, seed)) for seed in range(150)]
     spread = np.std([f["alpha"] for f in fits])
     assert np.median([f["alpha_err"] for f in fits]) == pytest.approx(spread, rel=0.35)
     assert abs(np.mean([f["alpha"] for f in fits]) - 0.32) < 3 * spread / math.sqrt(150) + 0.01
@@ -174,11 +175,11 @@ def test_power_law_uncertainty_matches_monte_carlo_spread():
 def test_power_law_fit_refuses_edge_exponents_and_increasing_loss():
     n = np.geomspace(1e7, 1e9, 5)
     with pytest.raises(ValueError, match="edge of the searched range"):
-        ev.fit_power_law(n, 50.0 * (n / 1e7) ** -5.0 + 2.0)  # α = 5 lies outside [0.01, 3]
+        fit_power_law(n, 50.0 * (n / 1e7) ** -5.0 + 2.0)  # α = 5 lies outside [0.01, 3]
     with pytest.raises(ValueError, match="does not decrease with N"):
-        ev.fit_power_law(n, 3.0 - 0.5 * (n / 1e7) ** -0.3)  # loss grows with N: a < 0
+        fit_power_law(n, 3.0 - 0.5 * (n / 1e7) ** -0.3)  # loss grows with N: a < 0
     with pytest.raises(ValueError, match="at least 3 --baseline"):
-        ev.fit_power_law(n[:2], [3.0, 2.9])
+        fit_power_law(n[:2], [3.0, 2.9])
 
 
 def test_three_point_fit_has_no_error_bars_and_writes_standard_json(tmp_path):
@@ -217,12 +218,12 @@ def test_scaling_reads_loss_jsons_and_counts_nonembedding_params_by_default(tmp_
 
 def test_effective_size_inverts_the_fit():
     n, loss = synthetic_scaling(0.0, 0)
-    fit = ev.fit_power_law(n, loss)
+    fit = fit_power_law(n, loss)
     # A run of size 3e8 reaching the loss the baseline law gives at 1.44 x 3e8 is 1.44x "bigger".
-    n_eff, _ = ev.effective_size(400.0 * (1.44 * 3e8) ** -0.32 + 1.8, fit)
+    n_eff, _ = effective_size(400.0 * (1.44 * 3e8) ** -0.32 + 1.8, fit)
     assert n_eff / 3e8 == pytest.approx(1.44, rel=1e-4)
     with pytest.raises(ValueError, match="irreducible"):
-        ev.effective_size(1.7, fit)
+        effective_size(1.7, fit)
 
 
 def test_scaling_and_report_commands(tmp_path, capsys):
@@ -282,16 +283,16 @@ def test_document_starts_match_a_loop():
 
 
 def test_format_table_aligns_and_formats():
-    text = ev.format_table([{"a": 1, "b": 0.123456}, {"a": 22, "b": None}])
+    text = format_table([{"a": 1, "b": 0.123456}, {"a": 22, "b": None}])
     assert text.splitlines() == [" a       b", " 1  0.1235", "22       -"]
 
 
 def test_table_cells_with_newlines_stay_on_their_row():
     # bench's rows carry completions, which span lines: shown escaped, as the two characters \n
     rows = [{"ref": "8", "completion": "4*2 = 8.\n\nQ:\r\n"}, {"ref": "7", "completion": "7"}]
-    lines = ev.format_table(rows).splitlines()
+    lines = format_table(rows).splitlines()
     assert lines == ["ref" + " " * 10 + "completion", "  8  4*2 = 8.\\n\\nQ:\\r\\n", "  7" + " " * 19 + "7"]
-    assert ev.format_table(rows, markdown=True).splitlines()[2] == "| 8 | 4*2 = 8.\\n\\nQ:\\r\\n |"
+    assert format_table(rows, markdown=True).splitlines()[2] == "| 8 | 4*2 = 8.\\n\\nQ:\\r\\n |"
 
 
 # ----------------------------------------------------------------------------- tiny checkpoints

@@ -50,7 +50,7 @@ def find_cycle(graph):
 
 def test_no_import_cycles_among_top_level_files():
     graph = import_graph(ROOT)
-    assert {"train", "eval", "checkpoint", "downstream", "hf_export", "prepare_data", "fileio",
+    assert {"train", "eval", "report", "checkpoint", "downstream", "hf_export", "prepare_data", "fileio",
             "configurator"} <= set(graph)
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
@@ -99,6 +99,8 @@ def test_the_core_never_loads_the_tools_or_the_ingester():
     assert graph["data"] <= {"fileio"}, f"data.py imports {', '.join(sorted(graph['data']))}"
     # analysis.py measures a model for train.py and the tools alike: of the project, model alone
     assert graph["analysis"] <= {"model"}, f"analysis.py imports {', '.join(sorted(graph['analysis']))}"
+    # report.py reads result files for eval.py, sweep.py and results/*.py: of the project, the core alone
+    assert graph["report"] <= set(CORE), f"report.py imports {', '.join(sorted(graph['report'] - set(CORE)))}"
 
 
 def test_reading_data_does_not_load_the_ingester_packages():

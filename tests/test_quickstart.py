@@ -53,7 +53,7 @@ def test_table_printed_with_sane_numbers(smoke):
             val = [row["val_loss"] for row in map(json.loads, f) if "val_loss" in row]
         assert math.isfinite(val[-1]) and val[-1] < val[0] and val[-1] == r["val_loss"]
     # The summary names the machine its wall times come from.
-    from prepare_data import cpu_name
+    from report import cpu_name
     assert result["cpu"] == cpu_name() and result["jobs"] >= 1
     assert f"ran on {cpu_name()}, {result['jobs']} training" in stdout
     if importlib.util.find_spec("matplotlib"):

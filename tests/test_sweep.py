@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import eval as ev
+import report
 import sweep
 from conftest import launch_env
 from test_train import data_dir, rows  # noqa: F401  (data_dir: the shared byte-level dataset fixture)
@@ -303,14 +304,14 @@ def synthetic_result(losses_by_arm):
 
 
 def test_report_aggregates_seeds_by_hand(tmp_path, capsys):
-    table = ev.sweep_table(synthetic_result({"a": [1.0, 2.0, 3.0], "b": [5.0]}))
+    table = report.sweep_table(synthetic_result({"a": [1.0, 2.0, 3.0], "b": [5.0]}))
     # a: mean 2, sample std 1; 95% t-interval 2 ± 4.303 / sqrt(3) = 2 ± 2.4843
     assert table[0]["loss"] == "2.0000 ± 1.0000" and table[0]["loss_en"] == "4.0000 ± 2.0000"
     assert table[0]["loss_95ci"] == "[-0.4843, 4.4843]" and table[0]["seeds"] == "0,1,2"
     assert table[0]["best_val_loss"] == "3.0000 ± 1.0000"
     assert table[1]["loss"] == "5.0000" and table[1]["loss_95ci"] == "-"  # one seed: no spread claimed
     assert "dloss_vs_first" not in table[0] and table[1]["dloss_vs_first"] == "+4.0000"  # 5 - a's seed 0
-    paired = ev.sweep_table(synthetic_result({"a": [1.0, 2.0, 3.0], "b": [1.5, 2.0, 3.5]}))[1]["dloss_vs_first"]
+    paired = report.sweep_table(synthetic_result({"a": [1.0, 2.0, 3.0], "b": [1.5, 2.0, 3.5]}))[1]["dloss_vs_first"]
     # differences 0.5, 0, 0.5 by seed: mean 1/3, std sqrt(1/12), half-width 4.303 * sqrt(1/12) / sqrt(3)
     half = 4.303 * math.sqrt(1 / 12) / math.sqrt(3)
     assert paired == f"+0.3333 ± 0.2887 [{1 / 3 - half:+.4f}, {1 / 3 + half:+.4f}]"
@@ -318,7 +319,7 @@ def test_report_aggregates_seeds_by_hand(tmp_path, capsys):
     crossed = synthetic_result({"a": [1.0, 2.0], "b": [1.5, 3.0]})
     crossed["rows"] += [{**r, "setting": {"lr": 0.1}, "eval": {"loss": {"summary": {"loss": loss}, "rows": []}}}
                         for r, loss in zip(crossed["rows"], [4.0, 4.0, 3.0, 3.5])]
-    table = ev.sweep_table(crossed)  # lines: a@0.01, b@0.01, a@0.1, b@0.1
+    table = report.sweep_table(crossed)  # lines: a@0.01, b@0.01, a@0.1, b@0.1
     # per-seed differences 0.5, 1.0 (and -1.0, -0.5): std sqrt(1/8), half-width 12.7062 * sqrt(1/8) / sqrt(2)
     half = 12.7062 * math.sqrt(1 / 8) / math.sqrt(2)
     assert [line.get("dloss_vs_a") for line in table] == [
@@ -366,7 +367,8 @@ def test_report_plots_several_sweeps_together(tmp_path, monkeypatch, capsys):
     (tmp_path / "finer.json").write_text(json.dumps(finer))
     files = [str(tmp_path / "grid.json"), str(tmp_path / "finer.json")]
     drawn = []
-    monkeypatch.setattr(ev, "plot_sweep", lambda result, x_key, path, name: drawn.append((result, x_key, path, name)))
+    monkeypatch.setattr(report, "plot_sweep",
+                        lambda result, x_key, path, name: drawn.append((result, x_key, path, name)))
     ev.main(["report", *files, "--plot-x", "lr", "--plot-together", str(tmp_path / "both.png"), "--out", str(tmp_path / "r.md")])
     assert [(r["name"], r["rows"], x_key, path, name) for r, x_key, path, name in drawn] == [
         ("syn + finer", grid["rows"] + finer["rows"], "lr", str(tmp_path / "both.png"), "loss")]
@@ -396,13 +398,14 @@ def test_report_of_an_anchor_sweep_by_hand(tmp_path, capsys):
                                                                      "model_size": "tiny"},
                      "eval": {"anchor": {"summary": {"task": "anchor", **shares}, "rows": None}}})
     result = {"analysis": "sweep", "name": "phase", "summary": {"points": 4, "finished": 4}, "rows": rows}
-    table = ev.sweep_table(result)
+    table = report.sweep_table(result)
     # (1, 0.5): 0.1 and 0.3 -> 0.2 ± 0.1414; no loss, so no loss interval or paired loss columns
     assert table[0]["heldout_inferential"] == "0.2000 ± 0.1414" and table[0]["heldout_symmetric"] == "0.8000 ± 0.1414"
     assert table[0]["seeds"] == "0,1" and table[1]["heldout_inferential"] == "0.8000"
-    assert ev.sweep_table(result, ["heldout_inferential"])[0]["heldout_inferential by seed"] == "0: 0.1000, 1: 0.3000"
+    by_seed = report.sweep_table(result, ["heldout_inferential"])[0]["heldout_inferential by seed"]
+    assert by_seed == "0: 0.1000, 1: 0.3000"
     assert not any(key.startswith(("loss", "dloss")) for line in table for key in line)
-    assert ev.sweep_cells(result, "gamma", "model.n_layer", "heldout_inferential") == {
+    assert report.sweep_cells(result, "gamma", "model.n_layer", "heldout_inferential") == {
         (0.5, 1): [0.1, 0.3], (1.0, 1): [0.8], (1.0, 2): [0.6]}
     path = tmp_path / "phase.json"
     path.write_text(json.dumps(result))
@@ -445,7 +448,7 @@ def test_report_of_a_sink_sweep_shows_the_head_metric(tmp_path, capsys):
         return {"point": f"{arm}-seed{seed}", "arm": arm, "setting": {}, "seed": seed, "best_val_loss": 2.0,
                 "tokens": 10, "eval": {"sink": {"summary": sink, "rows": None}}}
     rows = [row("g05", 0, 0.25, 0.5), row("g05", 1, 0.0, 0.25), row("g1", 0, 0.5, 0.75), row("g1", 1, 0.25, 0.25)]
-    table = ev.sweep_table({"rows": rows})
+    table = report.sweep_table({"rows": rows})
     assert table[0]["sink_heads"] == "0.1250 ± 0.1768" and table[0]["sink_doc_heads"] == "0.3750 ± 0.1768"
     assert table[1]["sink_first"] == "0.0100 ± 0.0000" and table[1]["sink_doc_first"] == "0.0200 ± 0.0000"
     path = tmp_path / "sink.json"
@@ -455,12 +458,12 @@ def test_report_of_a_sink_sweep_shows_the_head_metric(tmp_path, capsys):
     assert "### paired by seed (sink_doc_heads)" in (tmp_path / "r.md").read_text()
     assert "0: +0.2500, 1: +0.0000" in (tmp_path / "r.md").read_text()
     old = {**rows[0], "eval": {"sink": {"summary": {"mean_share_first": 0.01}, "rows": None}}}
-    assert ev.sweep_metrics(old) == {"sink_first": 0.01, "best_val_loss": 2.0}
+    assert report.sweep_metrics(old) == {"sink_first": 0.01, "best_val_loss": 2.0}
 
 
 def test_t_quantiles_against_numerical_integration():
     # P(T <= t) of Student's t with df degrees of freedom, by integrating its density (float64).
-    for df, t in enumerate(ev.T_975, start=1):
+    for df, t in enumerate(report.T_975, start=1):
         x = np.linspace(0, t, 200001)
         pdf = math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2)) * (1 + x**2 / df) ** (-(df + 1) / 2)
         assert 0.5 + np.trapezoid(pdf, x) == pytest.approx(0.975, abs=3e-5), df  # 3-decimal table: CDF within 2.5e-5
