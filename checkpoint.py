@@ -14,7 +14,8 @@ and never changes the process: .metadata is unpickled with an allow-list of the 
 writes there, which may set the state of DCP's records only, byte entries and rng files load as
 plain data (weights_only), a checkpoint reads only files inside its folder that meta.json has
 sha256s of, and their bytes are checked before they are used. No symlink in a run folder is
-followed, to read or to write.
+followed, to read or to write, no FIFO there is opened (it would block), and no file with other
+hard links is written to.
 """
 
 import errno
@@ -49,7 +50,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from model import GPT, GPTConfig
-from fileio import atomic_open, atomic_write_bytes, open_nofollow, read_json, sha256_file, write_json
+from fileio import (WRITE_LIMITS, NotOwnFile, atomic_open, atomic_write_bytes, naming, open_nofollow, read_json,
+                    sha256_file, write_json)
 
 # ----------------------------------------------------------------------------- reading without running code
 # DCP unpickles .metadata with plain pickle.load and torch.loads its byte entries (the optimizer's
@@ -117,11 +119,25 @@ def index_problem(index):
     return None
 
 
+class CheckpointFiles(FileSystem):
+    """DCP's file access for reading, every file opened by open_in_checkpoint."""
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        with os.fdopen(open_in_checkpoint(os.fspath(path)), mode) as stream:
+            yield stream
+
+
 class CheckpointReader(dcp.FileSystemReader):
-    """DCP's reader with .metadata unpickled through the allow-list and checked before use."""
+    """DCP's reader with .metadata unpickled through the allow-list and checked before use, and its
+    files opened as plain files of the folder (CheckpointFiles)."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.fs = CheckpointFiles()
 
     def read_metadata(self, *args, **kwargs):
-        with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
             metadata = MetadataUnpickler(f).load()
         problem = index_problem(metadata)
         if problem:
@@ -302,7 +318,7 @@ def read_meta(path):
     """A checkpoint folder's meta.json, read once and checked (against META_SUM where it has one, then
     its keys); DamagedCheckpoint says what is wrong."""
     try:
-        with open(os.path.join(path, "meta.json"), "rb") as f:
+        with os.fdopen(open_in_checkpoint(os.path.join(path, "meta.json")), "rb") as f:
             raw = f.read()
     except FileNotFoundError:
         raise DamagedCheckpoint("no meta.json") from None
@@ -311,7 +327,7 @@ def read_meta(path):
     except ValueError as e:  # not JSON, or not UTF-8
         raise DamagedCheckpoint(f"meta.json is not valid JSON ({e})") from None
     try:
-        with open(os.path.join(path, META_SUM), "rb") as f:
+        with os.fdopen(open_in_checkpoint(os.path.join(path, META_SUM)), "rb") as f:
             recorded = f.read()
     except FileNotFoundError:
         recorded = None  # written before meta.json had a sha256
@@ -329,10 +345,14 @@ def checksum_problem(path, meta, rank=0, world=1):
     in meta.json, else the first that does not. Checkpoints from before checksums pass unchecked."""
     names = sorted(meta.get("sha256", {}))
     for name in names[rank::world]:
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
+        try:
+            with os.fdopen(open_in_checkpoint(os.path.join(path, name)), "rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+        except FileNotFoundError:
             return f"{name} is missing"
-        if sha256_file(file) != meta["sha256"][name]:
+        except DamagedCheckpoint as e:
+            return str(e)
+        if digest != meta["sha256"][name]:
             return f"{name} does not match its sha256 in meta.json (its bytes changed after it was written)"
     return None
 
@@ -347,18 +367,33 @@ class RunDirError(Exception):
     change the experiment. One line naming the problem and the fix."""
 
 
+def open_in_checkpoint(file):
+    """fileio.open_nofollow of a checkpoint's file, to read: a symlink (it would be read from outside),
+    a FIFO (it would block the read forever) or anything else but a plain file is damage, in one line."""
+    try:
+        return open_nofollow(file, os.O_RDONLY)
+    except NotOwnFile as e:
+        raise DamagedCheckpoint(f"{os.path.basename(file)} is {e.strerror} (a checkpoint's files are plain files "
+                                f"in its folder)") from None
+
+
 def file_problem(path, name, listed, size=0):
     """What keeps a checkpoint from reading its file name (at least size bytes long), else None. listed:
     the names meta.json has sha256s of (None before checksums): any other file would be read unchecked."""
-    file = os.path.join(path, name)
     if listed is not None and name not in listed:
         return f"{name} is not among the files meta.json has sha256s of (a crafted .metadata?)"
-    if os.path.islink(file):
-        return f"{name} is a symlink: not followed (a checkpoint's files are in its folder)"
-    if not os.path.isfile(file):
+    try:
+        fd = open_in_checkpoint(os.path.join(path, name))
+    except FileNotFoundError:
         return f"{name} is missing"
-    if os.path.getsize(file) < size:
-        return f"{name} is truncated ({os.path.getsize(file)} of {size} bytes)"
+    except DamagedCheckpoint as e:
+        return str(e)
+    except OSError as e:
+        return f"{name} is unreadable ({e.strerror})"
+    found = os.fstat(fd).st_size
+    os.close(fd)
+    if found < size:
+        return f"{name} is truncated ({found} of {size} bytes)"
     return None
 
 
@@ -367,10 +402,7 @@ def checkpoint_problem(path):
     meta.json matches its sha256 and has the keys readers use, DCP's .metadata parses and names
     only files inside the folder that meta.json has sha256s of, every byte range it names is on
     disk, and each rank that saved left its rng file: a folder pruned or copied halfway fails one
-    of these. A file of it that is a symlink is refused unread: it would be read from outside."""
-    for name in ("meta.json", META_SUM, ".metadata"):
-        if os.path.islink(os.path.join(path, name)):
-            return f"{name} is a symlink: not followed (a checkpoint's files are in its folder)"
+    of these. A file of it that is a symlink (read from outside) or a FIFO is refused unread."""
     try:
         meta = read_meta(path)
         index = CheckpointReader(path).read_metadata()
@@ -442,15 +474,14 @@ def clear_leftovers(run_dir):
 
 
 def open_in_run_dir(path, flags):
-    """fileio.open_nofollow for a file of a run folder, a symlink there refused in one line: the
-    folder may come from someone else, and opening through its link to write (the lock truncates
-    its file) would change a file anywhere the user can write."""
+    """fileio.open_nofollow for a file of a run folder, refused in one line when it is not a plain file
+    of its own: the folder may come from someone else, and opening a symlink or a hard link there to
+    write (the lock truncates its file) would change a file anywhere the user can write, a FIFO would
+    never open."""
     try:
         return open_nofollow(path, flags)
-    except OSError as e:
-        if e.errno != errno.ELOOP:
-            raise
-        raise RunDirError(f"{path} is a symlink: not followed (a run folder's files are its own); replace it "
+    except NotOwnFile as e:
+        raise RunDirError(f"{path} is {e.strerror} (a run folder's files are its own); replace it "
                           f"with a regular file or remove it, then rerun") from None
 
 
@@ -703,15 +734,6 @@ def local_state_bytes(net, opt):
     return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
 
 
-# The limits a write can run into, each with what to do about it: a save or a start-up write
-# that hits one is a one-line error naming it (train.py), whatever else it was doing.
-WRITE_LIMITS = {
-    errno.ENOSPC: ("no space left on device", "Free space"),
-    errno.EDQUOT: ("disk quota exceeded", "Free space within the quota (or raise it)"),
-    errno.EFBIG: ("file too large for the file-size limit (ulimit -f)", "Raise the limit (ulimit -f unlimited)"),
-}
-
-
 def write_limit(errors, folder, need_bytes):
     """The WRITE_LIMITS errno a failed save ran into, else None. An OSError with one of them
     anywhere in the errors given, their chains or DCP's per-rank failures decides; torch.save's
@@ -742,16 +764,6 @@ def limit_detail(hit, folder):
     return f"{shutil.disk_usage(folder).free:,} bytes free"
 
 
-@contextmanager
-def naming(path):
-    """An OSError raised while writing path names it: a write or flush that fails (a full disk)
-    raises one without a file name, or with that of the temporary file atomic_open writes."""
-    try:
-        yield
-    except OSError as e:
-        raise OSError(e.errno, e.strerror or str(e), path) from None
-
-
 def load_checkpoint(path, meta, net, opt, loader, cfg_weight_decay, verify=True):
     """Load ckpt folder `path` (its meta.json already read as `meta`) into net, opt and loader.
     Each rank first checks its share of the files' sha256s; the verdict is agreed before DCP's
@@ -776,7 +788,8 @@ def load_checkpoint(path, meta, net, opt, loader, cfg_weight_decay, verify=True)
         raise ValueError(f"resume from {path}: {e}") from None
     rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
     if meta["world_size"] == dist.get_world_size():
-        rng = torch.load(rng_file, weights_only=True)  # tensors only: a crafted pickle can't run code
+        with os.fdopen(open_in_checkpoint(rng_file), "rb") as f:
+            rng = torch.load(f, weights_only=True)  # tensors only: a crafted pickle can't run code
         torch.set_rng_state(rng["cpu"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
@@ -895,7 +908,8 @@ def load_model(path, device="cpu", attn_backend=None, verify=True):
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             try:
                 dcp_load({"model": net.state_dict()}, path)
-            except (Exception, CheckpointException) as e:  # bytes damaged in place: the sizes were right, the contents not
+            # bytes damaged in place: the sizes were right, the contents not
+            except (Exception, CheckpointException) as e:
                 raise ValueError(f"{path}: its weights could not be read ({load_error(e)}); the checkpoint is "
                                  f"damaged: pass another one") from None
     if attn_backend or net.cfg.attn_backend == "varlen" or \
@@ -971,11 +985,11 @@ def scalars(row, prefix=""):
 class Metrics:
     """Rank 0's record of a run: metrics.jsonl (rows past the resumed step dropped: they are redone),
     mirrored as live curves in TensorBoard (tensorboard_dir) and/or wandb (wandb_log), and the
-    durations of evaluations and checkpoints for the ETA. metrics.jsonl stays the record; on other
-    ranks record() does nothing."""
+    durations of evaluations, benchmarks and checkpoints for the ETA. metrics.jsonl stays the
+    record; on other ranks record() does nothing."""
 
     def __init__(self, cfg, rank, resumed_step):
-        self.spent = {"eval_s": [], "ckpt_s": []}
+        self.spent = {"eval_s": [], "bench_s": [], "ckpt_s": []}
         self.file = self.writer = self.run = None
         if rank != 0:
             return

@@ -33,7 +33,7 @@ import tiktoken
 import torch
 from tqdm import tqdm
 
-from fileio import sha256_file
+from fileio import NotOwnFile, open_regular, sha256_file
 
 FORMAT_VERSION = 1
 MAGIC = b"SITOKENS"
@@ -237,8 +237,10 @@ def meta_problem(meta):
 def read_meta(path):
     """(meta, None), or (None, what is wrong with the file)."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:  # a FIFO planted as meta.json would block open()
             meta = json.load(f)
+    except NotOwnFile as e:
+        return None, e.strerror
     except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, or nested past the parser's depth
         return None, f"not JSON ({type(e).__name__}: {str(e)[:60]})"
     problem = meta_problem(meta)
@@ -347,7 +349,8 @@ class TokenLoader:
         for name, n in zip(splits[split]["shards"], splits[split]["shard_tokens"]):
             shard = read_shard(os.path.join(data_dir, name))
             if len(shard.tokens) != n:
-                raise ValueError(f"{shard.path} has {len(shard.tokens)} tokens, meta.json says {n}; re-run prepare_data.py")
+                raise ValueError(f"{shard.path} has {len(shard.tokens)} tokens, meta.json says {n}; "
+                                 "re-run prepare_data.py")
             self.shards.append(shard)
         # The ids are checked in the bytes, not taken from meta.json: an id past the model's vocab
         # crashes a step (a device assert on CUDA). Scanning 16M uint16 tokens takes ~1.5 ms from

@@ -1,13 +1,16 @@
 """
-Files that readers rely on: written whole or not at all, JSON without NaN, sha256 of a file.
+Files that readers rely on: written whole or not at all, JSON without NaN, sha256 of a file; files
+of a folder from someone else opened only when they are plain files of its own (open_regular).
 Every tool writes through here (prepare_data.py's shards and meta.json, train.py's checkpoints
 and metrics, eval.py's and sweep.py's results), so it imports nothing of the project.
 """
 
+import errno
 import hashlib
 import json
 import math
 import os
+import stat
 import tempfile
 from contextlib import contextmanager
 
@@ -45,11 +48,72 @@ def atomic_open(path):
         raise
 
 
+class NotOwnFile(OSError):
+    """A name in a folder that is not a plain file of that folder's own (open_regular): a symlink, a
+    FIFO, socket or device, a folder, or for a writer a file with other hard links. strerror says which."""
+
+
+def file_kind(mode):
+    """What st_mode says a file that is not a regular one is, as a message names it."""
+    kinds = {stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket", stat.S_ISDIR: "a folder", stat.S_ISCHR: "a device",
+             stat.S_ISBLK: "a device"}
+    return next((kind for test, kind in kinds.items() if test(mode)), "a special file")
+
+
+def open_regular(path, flags=os.O_RDONLY, follow=True):
+    """os.open of a regular file, anything else refused (NotOwnFile) without waiting: a FIFO planted
+    under the name would block the open forever. A writer (O_WRONLY, O_RDWR) is also refused a file
+    with other hard links: truncating or appending to it would change the file under its other name,
+    which may be anywhere the user can write. follow=False refuses a symlink instead of following it
+    (errno ELOOP). O_TRUNC is applied only once the file passed."""
+    try:
+        fd = os.open(path, flags & ~os.O_TRUNC | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW),
+                     0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow:
+            raise NotOwnFile(e.errno, "a symlink: not followed", path) from None
+        if e.errno == errno.ENXIO:  # a FIFO opened to write with no reader: refused by O_NONBLOCK
+            raise NotOwnFile(e.errno, "a FIFO: not opened", path) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotOwnFile(errno.EINVAL, f"{file_kind(st.st_mode)}: not opened", path)
+        if flags & (os.O_WRONLY | os.O_RDWR) and st.st_nlink > 1:
+            raise NotOwnFile(errno.EMLINK, f"a hard link ({st.st_nlink} names): not written through", path)
+        os.set_blocking(fd, True)
+        if flags & os.O_TRUNC:
+            os.ftruncate(fd, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def open_nofollow(path, flags=os.O_RDWR | os.O_CREAT):
-    """os.open that refuses a symlink at path (OSError ELOOP) instead of following it: a run folder
-    may come from someone else (tar, rsync, a shared disk), and a lock or log file planted there as a
-    link would otherwise let opening it truncate or append to any file the user can write."""
-    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    """open_regular that refuses a symlink at path instead of following it: a run folder may come from
+    someone else (tar, rsync, a shared disk), and a lock or log file planted there as a link would
+    otherwise let opening it truncate or append to any file the user can write."""
+    return open_regular(path, flags, follow=False)
+
+
+@contextmanager
+def naming(path):
+    """An OSError raised while writing path names it: a write or flush that fails (a full disk)
+    raises one without a file name, or with that of the temporary file atomic_open writes."""
+    try:
+        yield
+    except OSError as e:
+        raise OSError(e.errno, e.strerror or str(e), path) from None
+
+
+# The limits a write can run into, each with what was hit and what to do about it: a write that
+# hits one is a one-line error naming it (train.py, checkpoint.py), not a traceback.
+WRITE_LIMITS = {
+    errno.ENOSPC: ("no space left on device", "Free space"),
+    errno.EDQUOT: ("disk quota exceeded", "Free space within the quota (or raise it)"),
+    errno.EFBIG: ("file too large for the file-size limit (ulimit -f)", "Raise the limit (ulimit -f unlimited)"),
+}
 
 
 def atomic_write_bytes(path, chunks):

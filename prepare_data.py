@@ -26,7 +26,6 @@ import lzma
 import math
 import multiprocessing
 import os
-import platform
 import shlex
 import shutil
 import signal
@@ -42,19 +41,7 @@ import numpy as np
 
 from anchor import ANCHOR_SHIFTS, PAIRS, AnchorTask, anchor_records, anchor_vocab, check_anchor_task
 from data import FORMAT_VERSION, HEADER, HEADER_BYTES, MAGIC, get_tokenizer, progress_bar, read_meta
-from fileio import atomic_open, atomic_write_bytes
-
-
-def cpu_name():
-    """The CPU model ("Intel(R) Xeon(R) ..."), for result rows and the cached matmul peak."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from fileio import atomic_open, atomic_write_bytes, naming
 
 
 def usable_cores():
@@ -79,12 +66,9 @@ def npy_bytes(array):
 
 
 def write_file(path, chunks):
-    """fileio.atomic_write_bytes, whose errors name `path`: a failed write (a full disk, ulimit -f)
-    names no file, a failed mkstemp its temporary name."""
-    try:
+    # naming: a failed write (a full disk, ulimit -f) names no file, a failed mkstemp its temporary one
+    with naming(path):
         atomic_write_bytes(path, chunks)
-    except OSError as e:
-        raise OSError(e.errno, e.strerror or str(e), path) from None
 
 
 def write_shard(path, tokens, docs, mask=None):
@@ -282,7 +266,8 @@ def glob_source(source, folder, files):
     """The --source that reads `files` (one format, all under `folder`) whole as a glob, with
     the source's other options: the fix for a folder whose split inference drops files."""
     suffixes = {data_suffix(f) for f in files}
-    tail = suffixes.pop() if len(suffixes) == 1 else {"text": ".txt*", "json": ".json*"}.get(file_builder(files[0]), ".parquet")
+    tail = (suffixes.pop() if len(suffixes) == 1
+            else {"text": ".txt*", "json": ".json*"}.get(file_builder(files[0]), ".parquet"))
     options = source_options(source, skip=("config", "split"))
     return "--source " + shlex.quote(",".join([f"{source.name}={os.path.join(folder, '**', '*' + tail)}", *options]))
 
@@ -631,7 +616,8 @@ def encode_documents(texts):
     ids = [_worker_enc.encode_ordinary(t) for t in texts]  # the batch API would spin up a thread pool per call
     lengths = np.fromiter((len(d) + 1 for d in ids), np.int64, len(ids))
     eot = [_worker_enc.eot_token]
-    tokens = np.fromiter(chain.from_iterable(d + eot for d in ids), token_dtype(_worker_enc.n_vocab), int(lengths.sum()))
+    tokens = np.fromiter(chain.from_iterable(d + eot for d in ids), token_dtype(_worker_enc.n_vocab),
+                         int(lengths.sum()))
     return tokens, lengths
 
 
@@ -664,7 +650,8 @@ def tokenize_source(source, pool, workers, cache_dir, dtype, fingerprint):
             cached = json.load(f)
         same = cached == fingerprint
         # a marker without "files" predates them: it is not reused, and there is nothing to name
-        changes = file_changes({source.name: cached["files"]}, {source.name: fingerprint["files"]}) if "files" in cached else []
+        changes = (file_changes({source.name: cached["files"]}, {source.name: fingerprint["files"]})
+                   if "files" in cached else [])
         if changes and {**cached, "files": None} == {**fingerprint, "files": None}:
             print(f"{source.name}: {one_change(changes)} since the interrupted run, tokenizing again", file=sys.stderr)
         if same and os.path.exists(tokens_path) and os.path.exists(lengths_path):
@@ -684,10 +671,8 @@ def tokenize_source(source, pool, workers, cache_dir, dtype, fingerprint):
     with atomic_open(tokens_path) as raw, progress_bar(total=cap, desc=f"tokenizing {source.name}", unit="tok",
                                                        unit_scale=True) as bar:
         for tokens, lens in parallel_map(pool, encode_documents, chunk_texts(texts, 1 << 18), workers):
-            try:
+            with naming(tokens_path):  # names no file: name the one the user knows
                 raw.write(tokens.tobytes())
-            except OSError as e:  # names no file: name the one the user knows
-                raise OSError(e.errno, e.strerror, tokens_path) from None
             lengths.append(lens)
             count += len(tokens)
             bar.update(len(tokens) if cap is None else min(len(tokens), cap - bar.n))  # the last read overshoots
@@ -747,7 +732,8 @@ def select_documents(lengths, quota, val_fraction, rng):
 
 def no_val_reason(source, lengths, quota):
     """Why select_documents took a single document (train keeps it, val gets none) and what helps."""
-    finer = {"document": "sample_by=paragraph or sample_by=line (.txt files)", "paragraph": "sample_by=line (.txt files)",
+    finer = {"document": "sample_by=paragraph or sample_by=line (.txt files)",
+             "paragraph": "sample_by=line (.txt files)",
              "line": None}[source.sample_by]
     cut = " or ".join(c for c in (finer, "sep=STRING (cuts documents at that string)") if c)
     if len(lengths) == 1:
@@ -768,9 +754,11 @@ def write_text_split(out_dir, split, docs, caches, eot, dtype, shard_tokens, rng
     return writer.close()
 
 
-# the command-line flag of each recorded setting, for naming what differs
-SETTING_FLAGS = {"sources": "--source", "tokenizer": "--tokenizer", "max_tokens": "--max-tokens",
-                 "val_fraction": "--val-fraction", "seed": "--seed", "shard_tokens": "--shard-tokens"}
+# The command-line flag of each recorded setting, for naming what differs: the text command's
+# (recorded under meta.json's "settings") and the anchor command's (under "anchor", with the task).
+TEXT_FLAGS = {"sources": "--source", "tokenizer": "--tokenizer", "max_tokens": "--max-tokens",
+              "val_fraction": "--val-fraction", "seed": "--seed", "shard_tokens": "--shard-tokens"}
+ANCHOR_FLAGS = {name: "--" + name.replace("_", "-") for name in AnchorTask.__dataclass_fields__}
 
 
 def recorded_sources(value):
@@ -790,18 +778,37 @@ def setting_text(key, value):
     return "none" if value is None else str(value)
 
 
-def setting_changes(was, now):
-    """'FLAG OLD -> NEW' for each setting that a folder's recorded `was` (from its meta.json, so
-    anything) has otherwise than `now`."""
+def setting_changes(was, now, flags):
+    """'FLAG OLD -> NEW' for each setting of flags that a folder's recorded `was` (from its meta.json,
+    so anything) has otherwise than `now`."""
     was = dict(was) if isinstance(was, dict) else {}
     if recorded_sources(was.get("sources")) is not None:
         was["sources"] = recorded_sources(was["sources"])
     changes = []
-    for key, flag in SETTING_FLAGS.items():
+    for key, flag in flags.items():
         if key not in was or was[key] != now[key]:
             old = setting_text(key, was[key]) if key in was else "(not recorded)"
             changes.append(f"{flag} {old} -> {setting_text(key, now[key])}")
     return changes
+
+
+def prepared_meta(out, recorded, settings, flags):
+    """out's meta.json when out is a data folder prepared with these settings (recorded under its
+    key `recorded`), None when it holds no meta.json. Other settings would replace the data that runs
+    trained on it are fingerprinted with (their resume then fails, and eval.py scores them on other
+    data): refused in one line naming each, as is a meta.json that is not a data folder's."""
+    path = os.path.join(out, "meta.json")
+    if not os.path.exists(path):
+        return None
+    meta, problem = read_meta(path)
+    if problem:
+        raise ValueError(f"{path} is not a data folder's meta.json: {problem}; --force rebuilds {out} (dropping "
+                         f"that file), or pass another --out")
+    changed = setting_changes(meta.get(recorded), settings, flags)
+    if changed:
+        raise ValueError(f"{out} was prepared with other settings: {'; '.join(changed)}; --force replaces its data "
+                         f"with these, or pass another --out")
+    return meta
 
 
 class Interrupted(KeyboardInterrupt):
@@ -846,18 +853,10 @@ def prepare_text(args):
     enc = get_tokenizer(args.tokenizer, args.tokenizer_dir)
     settings = {"sources": [asdict(s) for s in sources], "tokenizer": args.tokenizer, "max_tokens": args.max_tokens,
                 "val_fraction": args.val_fraction, "seed": args.seed, "shard_tokens": args.shard_tokens}
-    files = {s.name: source_file_stats(s) for s in sources}  # before any read: a file changed during it is caught next time
-    if os.path.exists(os.path.join(args.out, "meta.json")) and not args.force:
-        meta, problem = read_meta(os.path.join(args.out, "meta.json"))
-        if problem:
-            raise ValueError(f"{os.path.join(args.out, 'meta.json')} is not a data folder's meta.json: {problem}; "
-                             f"--force rebuilds {args.out} (dropping that file), or pass another --out")
-        # Other settings would replace the data that runs trained on it are fingerprinted with
-        # (their resume then fails, and eval.py scores them on other data): refuse, naming them.
-        changed = setting_changes(meta.get("settings"), settings)
-        if changed:
-            raise ValueError(f"{args.out} was prepared with other settings: {'; '.join(changed)}; --force "
-                             f"replaces its data with these, or pass another --out")
+    # before any read: a file changed during it is caught next time
+    files = {s.name: source_file_stats(s) for s in sources}
+    meta = None if args.force else prepared_meta(args.out, "settings", settings, TEXT_FLAGS)
+    if meta is not None:
         changes = file_changes(meta["source_files"], files) if "source_files" in meta else []
         if not changes:
             unrecorded = "" if "source_files" in meta else "; its source files were not recorded, so not compared"
@@ -911,7 +910,8 @@ def build_text(args, sources, names, enc, settings, files):
         docs = np.concatenate(docs)
         if len(docs):
             rng = np.random.default_rng([args.seed, len(sources) + j])
-            splits[split] = write_text_split(args.out, split, docs, caches, enc.eot_token, dtype, args.shard_tokens, rng)
+            splits[split] = write_text_split(args.out, split, docs, caches, enc.eot_token, dtype, args.shard_tokens,
+                                             rng)
     total = sum(sp["tokens"] for sp in splits.values())
     seconds = time.time() - start
     meta = write_meta(args.out, {
@@ -961,11 +961,17 @@ def benchmark(args):
 # The anchor-function task's records (anchor.py), written as shards
 
 
-def prepare_anchor(task, out_dir, invocation):
+def prepare_anchor(task, out_dir, invocation, force=False):
     """Splits: train (train keys, seen pairs), val (fresh samples of the same), test (test keys,
     seen pairs), heldout (the held-out pair on all keys; its stored target is the composite,
-    i.e. the inferential answer). Loss only on the last token of each record."""
+    i.e. the inferential answer). Loss only on the last token of each record. A folder prepared
+    with the same task is left as it is (same seed, same bytes); with another, refused without force."""
     check_anchor_task(task)
+    settings = json.loads(json.dumps(asdict(task)))  # as meta.json records them: tuples are lists
+    meta = None if force else prepared_meta(out_dir, "anchor", settings, ANCHOR_FLAGS)
+    if meta is not None:
+        print(f"{out_dir} is already prepared with these settings (--force rebuilds it)")
+        return meta
     rng = np.random.default_rng(task.seed)
     keys = np.arange(task.keys[0], task.keys[1] + 1)
     test_keys = np.sort(rng.choice(keys, round(task.test_key_fraction * len(keys)), replace=False))
@@ -980,7 +986,8 @@ def prepare_anchor(task, out_dir, invocation):
         splits = {}
         for split, n, split_keys, pairs in [("train", task.n_train, train_keys, seen),
                                             ("val", task.n_eval, train_keys, seen),
-                                            ("test", task.n_eval, test_keys, seen), ("heldout", task.n_eval, keys, held)]:
+                                            ("test", task.n_eval, test_keys, seen),
+                                            ("heldout", task.n_eval, keys, held)]:
             records, sources = anchor_records(task, n, split_keys, pairs, rng)
             writer = ShardWriter(out_dir, split, np.uint16, record_len * 1_000_000, with_mask=True)
             for record, source in zip(records.astype(np.uint16), sources.tolist()):
@@ -1123,7 +1130,8 @@ def main(argv=None):
     p = commands.add_parser("anchor", help="generate the anchor-function task")
     d = AnchorTask()  # the defaults and their reasons live in the dataclass
     p.add_argument("--out", default="data/anchor", help="output folder (data/ is git-ignored)")
-    p.add_argument("--seq-len", type=at_least(3), default=d.seq_len, help="input tokens per sequence (>= 3: key and pair)")
+    p.add_argument("--seq-len", type=at_least(3), default=d.seq_len,
+                   help="input tokens per sequence (>= 3: key and pair)")
     p.add_argument("--keys", type=parse_range, default=d.keys, help="key range LO-HI, inclusive")
     p.add_argument("--fillers", type=parse_range, default=d.fillers, help="filler token range LO-HI")
     p.add_argument("--test-key-fraction", type=float, default=d.test_key_fraction, help="keys held out of training")
@@ -1134,6 +1142,8 @@ def main(argv=None):
     p.add_argument("--n-train", type=at_least(1), default=d.n_train, help="training records")
     p.add_argument("--n-eval", type=at_least(1), default=d.n_eval, help="records per evaluation split")
     p.add_argument("--seed", type=at_least(0), default=d.seed, help="same seed, same bytes")
+    p.add_argument("--force", action="store_true", help="rebuild a complete folder, also one prepared with other "
+                   "settings")
 
     args = parser.parse_args(argv)
     args.invocation = shlex.join(["python", "prepare_data.py", *(sys.argv[1:] if argv is None else argv)])
@@ -1144,7 +1154,7 @@ def main(argv=None):
             benchmark(args)
         else:
             fields = {k: getattr(args, k) for k in AnchorTask.__dataclass_fields__}
-            prepare_anchor(AnchorTask(**fields), args.out, args.invocation)
+            prepare_anchor(AnchorTask(**fields), args.out, args.invocation, args.force)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
     except OSError as e:

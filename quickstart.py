@@ -190,7 +190,8 @@ def main(argv=None):
 
     print(f"[1/3] anchor-task data -> {data_dir}", flush=True)
     log = os.path.join(out, "data.log")
-    cmd = [sys.executable, "prepare_data.py", "anchor", "--out", data_dir,
+    # --force: out/data is the quickstart's own, rebuilt like its runs (a --smoke run leaves other settings).
+    cmd = [sys.executable, "prepare_data.py", "anchor", "--out", data_dir, "--force",
            *[str(x) for kv in data.items() for x in kv]]
     check(run_logged(cmd, log, "  ", lambda line: True)[0], "prepare_data.py anchor", log)
 
