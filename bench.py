@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from init import gamma_init_
-from model import GPT, MLP, SIZES, Attention, GPTConfig, chunked_cross_entropy, init_model_
+from model import GPT, MLP, SIZES, Attention, GPTConfig, chunked_cross_entropy, compile_model_, init_model_
 from fileio import atomic_write_bytes
 
 
@@ -60,6 +60,8 @@ class PlainBlock(nn.Module):
 class PlainGPT(nn.Module):
     """GPT-2 without the parts smallinit changes: learned positions, LayerNorm, GELU."""
 
+    loss_fn = None  # as in model.GPT: compile_model_ gives it the same compiled loss tail
+
     def __init__(self, vocab_size, n_layer, n_head, d_model, d_ff, seq_len):
         super().__init__()
         self.tok_emb = nn.Embedding(vocab_size, d_model)
@@ -76,9 +78,10 @@ class PlainGPT(nn.Module):
         h = self.norm(x)
         if targets is None:
             return self.lm_head(h), None
-        # GPT.forward's loss tail (chunked, no logits), so that the ratio to this yardstick
-        # measures the recipe and not the loss.
-        loss = chunked_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten())
+        # GPT.forward's loss tail (chunked, no logits; compiled with the model), so that the
+        # ratio to this yardstick measures the recipe and not the loss.
+        loss_fn = self.loss_fn or chunked_cross_entropy
+        loss = loss_fn(h.flatten(0, 1), self.lm_head.weight, targets.flatten())
         return None, loss / (targets != -1).sum().clamp(min=1)
 
     def num_params(self):
@@ -150,8 +153,8 @@ def use_slow_forms(model, forms):
 
 
 def full_loss(model, idx, targets):
-    """The loss from the whole (B, T, V) logits by F.cross_entropy in fp32, as GPT.forward computed
-    it before its chunked loss (dense models: no MoE auxiliary loss)."""
+    """The loss from the whole (B, T, V) logits by F.cross_entropy in fp32, the unchunked form of
+    GPT.forward's loss (dense models: no MoE auxiliary loss)."""
     logits, _ = model(idx)
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
 
@@ -179,7 +182,7 @@ class Variant:
     slow: tuple = ()                            # SLOW_FORMS its blocks use instead of model.GPT's
     full_loss: bool = False                     # full_loss instead of GPT.forward's chunked loss
     gamma: float = 1.0
-    compile: bool = False                       # torch.compile each block, as train.py does
+    compile: bool = False                       # model.compile_model_, as train.py compiles
 
     @property
     def full_name(self):
@@ -209,7 +212,8 @@ def common_variants(g, compile, attn):
     return [
         plain_gpt("reference", "plain GPT: LayerNorm, GELU, learned positions, fused qkv", g, compile),
         Variant("default", "model.GPT: RMSNorm, RoPE, SwiGLU, elementwise gate, γ=1", g, compile=compile),
-        Variant("gate-headwise", "one gate per head (d×n_head matrix)", g, dict(attn_gate="headwise"), compile=compile),
+        Variant("gate-headwise", "one gate per head (d×n_head matrix)", g, dict(attn_gate="headwise"),
+                compile=compile),
         Variant("gate-none", "no attention gate", g, dict(attn_gate="none"), compile=compile),
         Variant("gelu", "GELU MLP instead of SwiGLU (same parameters)", g, dict(mlp="gelu"), compile=compile),
         Variant(f"attn-{attn}", f"{attn} attention backend", g, dict(attn_backend=attn), compile=compile),
@@ -219,6 +223,8 @@ def common_variants(g, compile, attn):
         Variant("rope-halves", "RoPE on the two halves, then cat (eager)", g, slow=("rope-halves",)),
         Variant("separate-gemms", "q, k, v and SwiGLU's gate, up: one GEMM each", g, slow=("separate-gemms",),
                 compile=compile),
+        # Compiled or not, its cross-entropy runs eager, outside the compiled modules: the whole
+        # unchunked tail is what it times against the default variant.
         Variant("full-loss", "loss on the full (B, T, V) logits, not chunked", g, full_loss=True, compile=compile),
         # The meta kernel of torch._grouped_mm accepts bf16 only, so fp32 runs it eager.
         Variant("moe-grouped", "MoE 8 experts top-2, torch._grouped_mm", g, moe,
@@ -233,13 +239,13 @@ def cpu_variants():
     # ~5M parameters, 4,096 tokens a step: a model one CPU core trains at a few steps a second.
     g = Group("5m", dict(vocab_size=257, n_layer=6, n_head=4, d_model=256), batch=16, seq_len=256, dtype="float32")
     return common_variants(g, compile=False, attn="eager") + [
-        plain_gpt("reference-compiled", "plain GPT, blocks compiled", g, compile=True),
-        Variant("default-compiled", "model.GPT, blocks compiled", g, compile=True),
+        plain_gpt("reference-compiled", "plain GPT, compiled (blocks, norm, loss chunks)", g, compile=True),
+        Variant("default-compiled", "model.GPT, compiled (blocks, norm, loss chunks)", g, compile=True),
     ]
 
 
 def cuda_variants():
-    # The configs' per-GPU micro-batches at T=2048, bf16, compiled blocks, FlexAttention,
+    # The configs' per-GPU micro-batches at T=2048, bf16, compiled as train.py compiles, FlexAttention,
     # causal masks (the plain GPT has no document masking). At 1.5B only the two headline
     # variants: each holds ~12 GB of weights and AdamW state next to ~40 GB of activations.
     flex = dict(attn_backend="flex")
@@ -288,7 +294,8 @@ def select(variants, patterns):
         return variants
     chosen = set()
     for pattern in patterns.split(","):
-        hits = [v for v in variants if fnmatch.fnmatchcase(v.full_name, pattern) or fnmatch.fnmatchcase(v.name, pattern)]
+        hits = [v for v in variants
+                if fnmatch.fnmatchcase(v.full_name, pattern) or fnmatch.fnmatchcase(v.name, pattern)]
         if not hits:
             raise ValueError(f"--variants: {pattern!r} matches no variant; choose from "
                              f"{', '.join(v.full_name for v in variants)}")
@@ -344,7 +351,7 @@ def make_model(v):
 
 
 def build(v, device):
-    """A variant's model on device in its dtype, γ-initialised, its blocks compiled if asked.
+    """A variant's model on device in its dtype, γ-initialised, compiled as train.py compiles if asked.
     Built on meta and materialised on the device, as train.py does: the full fp32 model never
     sits in host memory first."""
     with torch.device("meta"):
@@ -357,8 +364,7 @@ def build(v, device):
         use_slow_forms(model, v.slow)
     model.to(dtype=getattr(torch, v.group.dtype))
     if v.compile:
-        for block in model.layers:
-            block.compile(dynamic=False)  # in place, as train.py compiles
+        compile_model_(model)
     return model
 
 
@@ -449,8 +455,7 @@ def format_rows(rows):
 def _added_peak(tail, vocab, batch, seq_len, d_model, chunk_elements):
     """Bytes of host memory one forward+backward of a 1-layer GPT adds at its peak (this
     process's peak RSS minus its RSS before the step: call in a fresh process). tail: "full"
-    (fp32 cross-entropy over the whole logits, as GPT.forward computed it before the chunked
-    loss) or "chunked" (GPT.forward's own loss)."""
+    (full_loss: fp32 cross-entropy over the whole logits) or "chunked" (GPT.forward's own loss)."""
     import model as model_module
     model_module.LOSS_CHUNK_ELEMENTS = chunk_elements or model_module.LOSS_CHUNK_ELEMENTS
     torch.manual_seed(0)
@@ -526,8 +531,10 @@ def plan(variants, suite, steps, repeats, warmup, peak):
 # ----------------------------------------------------------------------------- main
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", choices=sorted(SUITES), default="cpu", help="cpu: ~5M parameters here; cuda: 0.1B and 1.5B on one GPU")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", choices=sorted(SUITES), default="cpu",
+                   help="cpu: ~5M parameters here; cuda: 0.1B and 1.5B on one GPU")
     p.add_argument("--variants", default="", help="comma-separated names or patterns on group/name (default: all)")
     p.add_argument("--steps", type=int, help="timed steps per repeat (suite default)")
     p.add_argument("--repeats", type=int, help="round-robin passes over the variants (suite default)")
@@ -581,8 +588,9 @@ def main(argv=None):
     print(text)
     if args.dry_run:
         return
-    # Every compiled variant recompiles the same Block.forward: allow one graph per variant,
-    # and keep shapes static (a dynamic recompile would time slower kernels).
+    # Every compiled variant compiles the same code again (the blocks' and the norm's forward,
+    # chunk_loss at up to two chunk heights): allow a few graphs per variant, and keep shapes
+    # static (a dynamic recompile would time slower kernels).
     with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 4 * len(variants)),
                                     automatic_dynamic_shapes=False):
         rows = measure(variants, device, steps, repeats, warmup, peak)

@@ -1,7 +1,6 @@
 """
 The first contact with a GPU in one command: every CUDA path of the repo on one H100/H200 in about
-6 minutes (4 measured on an H200 with three tests and a bench step of four variants; five tests
-and ten variants add ~2, estimated), one summary table, and results/gpu_check.json.
+6 minutes, one summary table, and results/gpu_check.json.
 
     make gpu-check                 # = python gpu_check.py
     python gpu_check.py --dry-run  # the plan; every command's arguments checked here, on CPU
@@ -16,8 +15,9 @@ correctness first and speed last, so that a lease cut short still brings back th
   export   that checkpoint as a HF folder, loaded back by transformers on the GPU and compared
            with model.py's logits
   bench    bench.py --suite cuda, shortened: the default model vs the plain GPT at 0.1B and 1.5B
-           (bf16, compiled, flex), tokens/s and MFU; at 0.1B also without the gate, with each
-           of model.py's fast paths undone (RoPE form, fused GEMMs, chunked loss) and, uncompiled,
+           (bf16, compiled as train.py compiles: blocks, final norm and loss chunks; flex), tokens/s
+           and MFU; at 0.1B also without the gate, with each of model.py's fast paths undone (RoPE
+           form, fused GEMMs, the chunked loss against eager full logits) and, uncompiled,
            with the varlen attention backend in place of flex
 --budget S caps the whole check (a step's limit shrinks to the time left); the summary JSON is
 rewritten after every step. Without CUDA (and without --dry-run) it exits 1 with one line.
@@ -50,8 +50,8 @@ def commands(work):
     data, run = os.path.join(work, "data"), os.path.join(work, "run")
     return [
         ("tests", [PY, "-m", "pytest", "-q", "tests/test_cuda.py"], 180),
-        ("data", [PY, "prepare_data.py", "text", "--out", data, "--tokenizer", "bytes", "--force", "--val-fraction", "0.05",
-                  "--source", f"repo={write_corpus(work)}"], 60),
+        ("data", [PY, "prepare_data.py", "text", "--out", data, "--tokenizer", "bytes", "--force",
+                  "--val-fraction", "0.05", "--source", f"repo={write_corpus(work)}"], 60),
         ("train", [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", *TRAIN,
                    f"--data_dir={data}", f"--out_dir={run}", "--resume=False"], 300),
         ("export", [PY, "train.py", "export", os.path.join(run, "ckpt_00000050"), os.path.join(work, "hf"),
@@ -145,7 +145,8 @@ def main(argv=None):
     p.add_argument("--work", default="out/gpu_check", help="folder for the data, the run and the export")
     p.add_argument("--json-out", default="results/gpu_check.json", help="where the summary is written")
     p.add_argument("--only", help="comma-separated steps to run (default: all, in order)")
-    p.add_argument("--budget", type=float, default=900, help="seconds for the whole check; a step's limit shrinks to what is left")
+    p.add_argument("--budget", type=float, default=900,
+                   help="seconds for the whole check; a step's limit shrinks to what is left")
     args = p.parse_args(argv)
     work = os.path.abspath(args.work)
     os.makedirs(work, exist_ok=True)
@@ -183,7 +184,8 @@ def main(argv=None):
                                    "when": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": rows})
     print(f"\n{'step':<8}{'ok':<5}{'s':>7}  numbers")
     for r in rows:
-        print(f"{r['step']:<8}{'yes' if r['ok'] else 'NO':<5}{r['seconds']:>7}  {json.dumps(r.get('numbers', ''))[:200]}")
+        numbers = json.dumps(r.get("numbers", ""))[:200]
+        print(f"{r['step']:<8}{'yes' if r['ok'] else 'NO':<5}{r['seconds']:>7}  {numbers}")
     print(f"wrote {args.json_out}")
     return 0 if all(r["ok"] for r in rows) else 1
 

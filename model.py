@@ -1,9 +1,10 @@
 """
 The smallinit model: a pre-norm decoder (dense or MoE) built to test small initialization.
 
-- RMSNorm (or LayerNorm, the paper's other variant) in fp32 with an explicit eps. Under γ=1 the residual stream starts at RMS d^-1
-  (≈5e-4 at d=2048, mean square ≈2e-7): eps=1e-5 would dominate the mean square and the norm
-  would stop normalizing (output RMS ≈0.15 instead of 1). The default is 1e-12.
+- RMSNorm (or LayerNorm, the paper's other variant) in fp32 with an explicit eps. Under γ=1 the
+  residual stream starts at RMS d^-1 (≈5e-4 at d=2048, mean square ≈2e-7): eps=1e-5 would
+  dominate the mean square and the norm would stop normalizing (output RMS ≈0.15 instead of 1).
+  The default is 1e-12.
 - RoPE, GQA, SwiGLU (default) or GELU MLP, untied embeddings by default.
 - Gated attention: each head's output is multiplied by sigmoid(X W_g), X being the same normed
   input that feeds q/k/v, before the heads are merged and projected. The gate is query-dependent
@@ -15,6 +16,8 @@ The smallinit model: a pre-norm decoder (dense or MoE) built to test small initi
 - MoE: token-choice top-k, dropless, experts stored as stacked (E, d_in, d_out) weights, computed
   with torch._grouped_mm or a reference loop; balanced by an aux-loss-free selection bias and/or
   an auxiliary loss.
+- The training loss is chunked (no full logits); compile_model_ compiles the blocks, the final
+  norm and the per-chunk loss in place, for train.py and bench.py.
 """
 
 import functools
@@ -244,8 +247,8 @@ def compiled(fn, x):
 
 
 @functools.cache
-def compile_once(fn):  # wrapped on first use, so importing model.py stays cheap
-    return torch.compile(fn)
+def compile_once(fn, **options):  # wrapped on first use, so importing model.py stays cheap
+    return torch.compile(fn, **options)
 
 
 class VarlenMask(NamedTuple):
@@ -294,8 +297,8 @@ def load_varlen(cfg, device):
             varlen_attn = importlib.import_module("torch.nn.attention.varlen").varlen_attn
         except (ImportError, AttributeError):
             pass
-    # window_size=(-1, 0) is causal (torch 2.10's form was is_causal); enable_gqa came later and
-    # is passed only to a GQA model.
+    # window_size=(-1, 0) is the causal mask. Both keywords are missing from some torch
+    # releases, so the signature is checked; enable_gqa is needed by a GQA model only.
     need = {"window_size"} | ({"enable_gqa"} if cfg.n_kv_head != cfg.n_head else set())
     missing = need - (set(inspect.signature(varlen_attn).parameters) if varlen_attn else set())
     if missing:
@@ -355,7 +358,8 @@ class Attention(nn.Module):
         super().__init__()
         # The model's config, shared by every layer: set_attn_backend changes them all at once.
         self.cfg = cfg
-        self.n_head, self.n_kv_head, self.head_dim, self.rope_theta = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.rope_theta
+        self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
+        self.head_dim, self.rope_theta = cfg.head_dim, cfg.rope_theta
         d, hd = cfg.d_model, cfg.head_dim
         self.wq = nn.Linear(d, cfg.n_head * hd, bias=False)
         self.wk = nn.Linear(d, cfg.n_kv_head * hd, bias=False)
@@ -604,14 +608,14 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     V x d the head's backward would produce anyway)."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk_rows):
+    def forward(ctx, h, weight, targets, chunk_rows, chunk_fn):
         want_h, want_w = ctx.needs_input_grad[:2]
         acc = torch.promote_types(h.dtype, torch.float32)  # fp32, or fp64 for gradcheck
         total = torch.zeros((), dtype=acc, device=h.device)
         grad_h = torch.empty_like(h) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
         for s in range(0, h.shape[0], chunk_rows):
-            part, gh = chunk_loss(h[s:s + chunk_rows], weight, targets[s:s + chunk_rows], acc, want_h, grad_w)
+            part, gh = chunk_fn(h[s:s + chunk_rows], weight, targets[s:s + chunk_rows], acc, want_h, grad_w)
             total = total + part
             if want_h:
                 grad_h[s:s + chunk_rows] = gh
@@ -622,16 +626,38 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total):
         grad_h, grad_w = ctx.saved_tensors
         return (None if grad_h is None else grad_h * grad_total.to(grad_h.dtype),
-                None if grad_w is None else grad_w * grad_total.to(grad_w.dtype), None, None)
+                None if grad_w is None else grad_w * grad_total.to(grad_w.dtype), None, None, None)
 
 
-def chunked_cross_entropy(h, weight, targets, chunk_rows=None):
+def chunked_cross_entropy(h, weight, targets, chunk_rows=None, chunk_fn=chunk_loss):
     """F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=-1, reduction="sum")
-    for h (N, d), weight (V, d), targets (N,), holding one chunk of rows' logits at a time."""
+    for h (N, d), weight (V, d), targets (N,), holding one chunk of rows' logits at a time.
+    chunk_fn: chunk_loss, or its compiled form (compile_model_)."""
     if not torch.is_grad_enabled():
         # needs_input_grad still says True under no_grad: detached, forward skips the gradients.
         h, weight = h.detach(), weight.detach()
-    return ChunkedCrossEntropy.apply(h, weight, targets, chunk_rows or loss_chunk_rows(weight.shape[0]))
+    return ChunkedCrossEntropy.apply(h, weight, targets, chunk_rows or loss_chunk_rows(weight.shape[0]), chunk_fn)
+
+
+def compile_model_(net):
+    """torch.compile a GPT (or bench.py's plain GPT) in place for training: each block, the
+    final norm and the per-chunk loss math. Parameter names do not change, so checkpoints, the
+    init and the export see the same model; only this model changes, and another one in the same
+    process keeps the eager path that the compiled one is tested against. Call it before FSDP2's
+    fully_shard (torchtitan's order): the compiled modules then run inside FSDP's hooks, on the
+    gathered parameters.
+
+    The chunk loop stays eager and calls the compiled chunk_loss once per chunk: compiled as a
+    whole, the loop would be unrolled (a graph per chunk count) and nothing would hold inductor
+    to one chunk's logits at a time. Static shapes: a micro-batch has two chunk heights at most
+    (the full one and the ragged last one), so each branch (training, evaluation under no_grad)
+    compiles two graphs at most. Automatic dynamic shapes would instead recompile at the first
+    ragged chunk to a dynamic height and run the full chunks on that graph from then on."""
+    for block in net.layers:
+        block.compile()
+    net.norm.compile()
+    net.loss_fn = functools.partial(chunked_cross_entropy, chunk_fn=compile_once(chunk_loss, dynamic=False))
+    return net
 
 
 def loss_tail_bytes(tokens, d_model, vocab_size, act_bytes):
@@ -645,6 +671,11 @@ def loss_tail_bytes(tokens, d_model, vocab_size, act_bytes):
 
 
 class GPT(nn.Module):
+    # The summed training loss, loss_fn(h (N, d), lm_head weight, targets (N,)): None is
+    # chunked_cross_entropy (looked up when called); compile_model_ sets a compiled form on one
+    # model's instance, leaving the class and every other model eager.
+    loss_fn = None
+
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
@@ -694,7 +725,8 @@ class GPT(nn.Module):
         if targets is not None:
             # Sum over counted targets, divided by at least 1: a micro-batch whose targets are all
             # masked (possible with loss masks) contributes 0, not 0/0 = NaN.
-            total = chunked_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten())
+            loss_fn = self.loss_fn or chunked_cross_entropy
+            total = loss_fn(h.flatten(0, 1), self.lm_head.weight, targets.flatten())
             loss = total / (targets != -1).sum().clamp(min=1)
             if aux_total is not None and self.cfg.moe_aux_loss_coef:
                 loss = loss + self.cfg.moe_aux_loss_coef * aux_total / self.cfg.n_layer
