@@ -22,12 +22,14 @@ generation_budget) is an error naming the sizes; --truncate left cuts its oldest
 lm-eval does silently, and the summary counts how many items were cut.
 
 `eval.py lm-eval-task` writes lm-eval's own task for a local file (lm_eval_task), the offline
-route to running lm-eval itself on these benchmarks.
+route to running lm-eval itself on these benchmarks. open_training_bench runs the hellaswag and
+anchor scorers inside train.py every bench_interval steps.
 """
 import bz2
 import json
 import os
 import re
+import time
 from fractions import Fraction
 
 import numpy as np
@@ -206,13 +208,19 @@ def continuation_logprobs(model, context, continuations):
     return logp.sum(1).tolist(), [len(c) for c in continuations]
 
 
-def hellaswag_scores(model, encode, items, truncate=None):
+def hellaswag_tokens(encode, item):
+    """(context tokens, each ending's tokens) of an item, as lm-eval splits each pair."""
+    pairs = [encode_pair(encode, item["ctx"], " " + e) for e in item["endings"]]
+    return pairs[0][0], [c for _, c in pairs]
+
+
+def hellaswag_scores(model, encode, items, truncate=None, progress=True):
     """(summary {acc, acc_norm, acc_norm_tokens, truncated}, per item rows)."""
     window = model.cfg.max_seq_len + 1  # the last token is only a target
     rows, truncated = [], 0
-    for n, item in enumerate(progress_bar(items, desc="hellaswag")):
-        pairs = [encode_pair(encode, item["ctx"], " " + e) for e in item["endings"]]
-        context, longest = pairs[0][0], max(len(c) for _, c in pairs)
+    for n, item in enumerate(progress_bar(items, desc="hellaswag", disable=not progress)):
+        context, endings = hellaswag_tokens(encode, item)
+        longest = max(map(len, endings))
         if longest >= window:
             raise ValueError(f"hellaswag item {n}: an ending of {longest} tokens leaves no context in the model's "
                              f"{window - 1}-token window; use a longer-context model")
@@ -220,7 +228,7 @@ def hellaswag_scores(model, encode, items, truncate=None):
                                   f"ending, {longest} tokens, in the {window - 1}-token window)", truncate,
                                   "a longer-context model")
         truncated += cut
-        sums, counts = continuation_logprobs(model, context, [c for _, c in pairs])
+        sums, counts = continuation_logprobs(model, context, endings)
         chars = [len(e) for e in item["endings"]]
         rows.append({"label": item["label"], "pick": int(np.argmax(sums)),
                      "pick_norm": int(np.argmax([s / c for s, c in zip(sums, chars)])),
@@ -364,7 +372,8 @@ def extract_answer(text):
     """Final answer of a completion: Minerva's "Final Answer: The final answer is X. I hope it is
     correct.", else after '####', else the last \\boxed{}, else after 'the answer is', else the
     last number in the text; None if there is none."""
-    minerva = re.search(r"Final Answer: The final answer is(.*?)\. I hope it is correct\.", text + " I hope it is correct.")
+    minerva = re.search(r"Final Answer: The final answer is(.*?)\. I hope it is correct\.",
+                        text + " I hope it is correct.")
     if minerva and minerva.group(1).strip():
         return minerva.group(1).strip()
     if "####" in text:
@@ -501,8 +510,9 @@ def check_exemplars_unscored(exemplars, records, args):
         if n is None:
             continue
         if args.fewshot_source:
-            raise ValueError(f"--fewshot-source {args.fewshot_source}: exemplar {i} is also scored item {n} of --source "
-                             f"{args.source}; take the exemplars from the train split (gsm8k train.jsonl), not the test file")
+            raise ValueError(f"--fewshot-source {args.fewshot_source}: exemplar {i} is also scored item {n} of "
+                             f"--source {args.source}; take the exemplars from the train split (gsm8k train.jsonl), "
+                             "not the test file")
         raise ValueError(f"--source {args.source}: item {n} is exemplar {i} of the published prompt; drop it from "
                          "--source (the published test sets hold none of them)")
 
@@ -553,7 +563,8 @@ def generation_bench(model, tokenizer, args):
         # lm-eval's `until`: the completion ends where the model starts the next exemplar.
         texts = [decode([t for t in o if t != eot_id]).split(marker)[0] for o in outs]
         scored = [score_completion(args.task, convention, record, t, verifier) for t in texts]
-        row = {"reference": record["reference"], "completion": texts[0], **{f"answer_{m}": a for m, a in scored[0][1].items()}}
+        row = {"reference": record["reference"], "completion": texts[0],
+               **{f"answer_{m}": a for m, a in scored[0][1].items()}}
         for metric in scored[0][0]:
             row[metric] = float(np.mean([c[metric] for c, _ in scored]))
         if args.num_samples > 1:  # majority vote over the samples' extracted answers (ties: the first sample's)
@@ -633,17 +644,20 @@ def answer_attention(model, records, batch_size=1024):
     return {f"attn_to_{what}_L{i}": layer[j] for i, layer in enumerate(means) for j, what in enumerate(("key", "pair"))}
 
 
-def anchor_scores(model, data_dir):
+ANCHOR_SPLITS = ("val", "test", "heldout")
+
+
+def anchor_scores(model, data_dir, limit=None):
     """The anchor-function task: accuracy on seen pairs (train keys: val split; unseen keys: test
     split) and, on the held-out pair, the share of inferential (composite) vs symmetric (the
-    mirror pair's rule) answers, on all keys and on trained keys; scoring rules live with the
-    generator in anchor.py."""
+    mirror pair's rule) answers, on all keys and on trained keys, over the first `limit` records
+    of each split (None: all); scoring rules live with the generator in anchor.py."""
     meta = load_meta(data_dir)
     if "anchor" not in meta:
         raise ValueError(f"{data_dir} is not an anchor-task folder; make one with `python prepare_data.py anchor`")
     rows = []
-    for split in ("val", "test", "heldout"):
-        records = read_records(data_dir, split)
+    for split in ANCHOR_SPLITS:
+        records = read_records(data_dir, split)[:limit]
         predictions = last_token_predictions(model, records)
         row = {"split": split, "records": len(records), "accuracy": anchor_accuracy(records, predictions)}
         if split == "heldout":
@@ -709,6 +723,132 @@ def run_lm_eval_task(args):
           f"--include_path {args.out_dir} --tasks {name}")
 
 
+# ----------------------------------------------------------------------------- during training (train.py bench_*)
+
+# The benchmarks train.py scores every bench_interval steps, and the metrics its log line shows.
+# Not gsm8k/math500: generation takes minutes per evaluation, and under FSDP every rank must run
+# the same number of forwards, which greedy decodes that stop at their own tokens keep only while
+# the ranks' logits agree bit for bit.
+TRAINING_BENCH = {"hellaswag": ("acc", "acc_norm"),
+                  "anchor": ("seen_pair_acc", "heldout_inferential", "heldout_symmetric")}
+KIT_HELLASWAG = "eval/hellaswag/hellaswag_val_full.txt.bz2"
+
+
+def open_training_bench(task, source, limit, data_dir, model_cfg, truncate="", tokenizer_dir="", log=print):
+    """train.py's bench_* settings, checked and their items read once, before any run folder is
+    written: -> bench(model, step), which scores the first `limit` items (anchor: of each split of
+    data_dir) with eval.py bench's own functions (hellaswag_scores, anchor_scores; truncate='left'
+    is its --truncate left), the model in eval mode under no_grad and then back in the mode it was
+    in, logs one line and returns the metrics.jsonl row {step, bench_<task>_<metric>, ...,
+    bench_s}. A bad setting is one ValueError "config: bench_...: <the fix>", so that no item can
+    fail in the middle of a run.
+
+    FSDP: every rank calls bench at the same step. Each forward all-gathers the parameters from
+    all ranks, so rank 0 scoring alone would wait forever for the others; here every rank scores
+    the same items (the cost does not shrink with more ranks) and only rank 0 logs (log=log0) and
+    records the row (checkpoint.Metrics). Gathering the full weights to score on rank 0 would hold
+    the whole model there and leave the other ranks waiting in their next collective, where a
+    long benchmark trips NCCL's timeout. With bf16 parameters (train.py on CUDA) near-ties can pick
+    another ending than eval.py bench's fp32 scores do; on CPU (fp32) they are the same numbers."""
+    if task not in TRAINING_BENCH:
+        kind = ("a generation benchmark (minutes per evaluation): score checkpoints with eval.py bench"
+                if task in LOCAL_COPIES else "not a benchmark")
+        raise ValueError(f"config: bench_task={task!r} is {kind}; during training choose one of "
+                         f"{', '.join(TRAINING_BENCH)}")
+    if type(limit) is not int or limit < 1:
+        raise ValueError(f"config: bench_limit={limit!r} must be a whole number >= 1 (the first N items are scored)")
+    if truncate not in ("", "left"):
+        raise ValueError(f"config: bench_truncate={truncate!r}: choose '' (a context that does not fit is refused) "
+                         f"or 'left' (its oldest tokens cut, counted)")
+    meta = load_meta(data_dir)
+    if task == "anchor":
+        count, score = anchor_bench(source, limit, data_dir, meta, model_cfg)
+    else:
+        count, score = hellaswag_bench(source, limit, data_dir, meta, model_cfg, truncate, tokenizer_dir)
+
+    def bench(model, step):
+        t0 = time.time()
+        training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                summary = score(model)
+        finally:
+            model.train(training)
+        row = {"step": step, **bench_fields(task, summary), "bench_s": time.time() - t0}
+        shown = ", ".join(f"{k} {summary[k]:.3f}" for k in TRAINING_BENCH[task])
+        cut = f" ({summary['truncated']} contexts cut)" if summary.get("truncated") else ""
+        log(f"bench {task}: {shown} on {count}{cut} in {row['bench_s']:.1f} s")
+        return row
+    return bench
+
+
+def bench_fields(task, summary):
+    """A summary's numbers as flat metrics.jsonl fields (TensorBoard/W&B curves): bench_<task>_<name>."""
+    return {f"bench_{task}_{k}": v for k, v in summary.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def anchor_bench(source, limit, data_dir, meta, model_cfg):
+    """(what is scored, in words; score(model) -> summary) of the anchor task on data_dir."""
+    if source:
+        raise ValueError(f"config: bench_source={source!r}: the anchor task scores data_dir's own "
+                         f"{'/'.join(ANCHOR_SPLITS)} splits; leave bench_source empty")
+    if "anchor" not in meta:
+        raise ValueError(f"config: bench_task='anchor' needs an anchor-task data_dir (python prepare_data.py anchor); "
+                         f"{data_dir} holds {meta['tokenizer']} text: use bench_task='hellaswag'")
+    missing = [s for s in ANCHOR_SPLITS if s not in meta["splits"]]
+    if missing:
+        raise ValueError(f"config: bench_task='anchor': {data_dir} has no {'/'.join(missing)} split; "
+                         f"rewrite it with python prepare_data.py anchor")
+    if meta["record_len"] - 1 > model_cfg.max_seq_len:
+        raise ValueError(f"config: bench_task='anchor': records of {meta['record_len'] - 1} inputs do not fit "
+                         f"model.max_seq_len={model_cfg.max_seq_len}; raise it to {meta['record_len'] - 1}")
+    sizes = [sum(meta["splits"][s]["shard_tokens"]) // meta["record_len"] for s in ANCHOR_SPLITS]
+    count = f"{'/'.join(str(min(limit, n)) for n in sizes)} {'/'.join(ANCHOR_SPLITS)} records"
+    return count, lambda model: anchor_scores(model, data_dir, limit)[0]
+
+
+def hellaswag_bench(source, limit, data_dir, meta, model_cfg, truncate, tokenizer_dir):
+    """(what is scored, in words; score(model) -> summary) of the first `limit` HellaSwag items,
+    each checked to fit the model's window as hellaswag_scores fits it."""
+    kit = f"the published jsonl, or the text format such as the offline data kit's {KIT_HELLASWAG}"
+    if "record_len" in meta:
+        raise ValueError(f"config: bench_task='hellaswag' needs text data; {data_dir} holds {meta['tokenizer']} "
+                         f"records: use bench_task='anchor'")
+    if not source:
+        raise ValueError(f"config: bench_source is empty: bench_task='hellaswag' needs a HellaSwag file ({kit}) "
+                         f"or 'hub'")
+    if source != "hub" and not os.path.isfile(source):
+        raise ValueError(f"config: bench_source={source!r}: no such file; pass a HellaSwag file ({kit})")
+    try:
+        items = read_hellaswag(source)[0][:limit]
+    except (OSError, EOFError, ValueError, KeyError, TypeError) as e:  # bz2, JSON, UTF-8 or layout errors
+        raise ValueError(f"config: bench_source={source!r} is not a HellaSwag file ({type(e).__name__}: {e}); "
+                         f"pass {kit}") from None
+    if not items:
+        raise ValueError(f"config: bench_source={source!r} holds no HellaSwag items; pass {kit}")
+    try:
+        encode = get_tokenizer(meta["tokenizer"], tokenizer_dir or None).encode_ordinary
+    except (OSError, ValueError, SystemExit) as e:  # get_tokenizer exits on a failed download
+        raise ValueError(f"config: bench_task='hellaswag' needs data_dir's tokenizer {meta['tokenizer']!r}: {e} "
+                         f"(train.py's --tokenizer-dir is bench_tokenizer_dir)") from None
+    for n, item in enumerate(items):
+        context, endings = hellaswag_tokens(encode, item)
+        # hellaswag_scores' rule: the context beside the longest ending in max_seq_len + 1 tokens
+        # (the last token is only a target); cut from the left, at least one context token.
+        longest = max(map(len, endings))
+        need = longest + (1 if truncate else len(context))
+        if need > model_cfg.max_seq_len + 1:
+            fixes = ["bench_truncate='left' (its oldest context tokens cut, counted)"] if not truncate else []
+            fixes += [f"bench_limit={n} (the items before it fit)"] if n else []
+            raise ValueError(f"config: bench_task='hellaswag': item {n} of {source} needs {need} tokens (its longest "
+                             f"ending{'' if truncate else ' and the context'}), past model.max_seq_len="
+                             f"{model_cfg.max_seq_len} + 1; set {', '.join(fixes + ['a longer model.max_seq_len'])}")
+    return f"{len(items)} items", lambda model: hellaswag_scores(model, encode, items, truncate or None,
+                                                                  progress=False)[0]
+
+
 # ----------------------------------------------------------------------------- command line (eval.py bench)
 
 def add_arguments(p):
@@ -718,7 +858,8 @@ def add_arguments(p):
     p.add_argument("--source", default="hub", help="local file in its published format (gsm8k/math500 test.jsonl, "
                    "hellaswag_val.jsonl or hellaswag_val_full.txt.bz2), or 'hub' on a connected machine")
     p.add_argument("--tokenizer-dir", help="offline tokenizer files (prepare_data.py --tokenizer-dir)")
-    p.add_argument("--limit", type=at_least(1), default=None, help="score only the first N items")
+    p.add_argument("--limit", type=at_least(1), default=None,
+                   help="score only the first N items (anchor: of each split)")
     p.add_argument("--truncate", choices=["left"], default=None,
                    help="cut prompts that do not fit the model from the left (counted); default: an error")
     p.add_argument("--shots", type=at_least(0), default=None,
@@ -742,7 +883,7 @@ def run_bench(args):
     if args.task == "anchor":
         data = data_dir_of(args, info)
         check_data_fits(data, model, info)
-        summary, rows = anchor_scores(model, data)
+        summary, rows = anchor_scores(model, data, args.limit)
     elif args.task == "hellaswag":
         items, context = read_hellaswag(args.source)
         items = items[:args.limit]

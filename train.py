@@ -41,7 +41,8 @@ from configurator import configure, settings_help, unknown_key
 from data import TokenLoader, check_model_vocab, check_token_ids, data_fingerprint
 from fileio import write_json
 from init import check_overrides, format_report
-from model import ATTN_BACKENDS, GPT, config_for, init_model_, load_varlen, loss_tail_bytes
+from downstream import open_training_bench
+from model import ATTN_BACKENDS, GPT, compile_model_, config_for, init_model_, load_varlen, loss_tail_bytes
 
 # ----------------------------------------------------------------------------- defaults
 _IMPORTED = set(globals())  # the settings are the names assigned below, not every public name imported above
@@ -87,6 +88,12 @@ eval_batches = 8                # global batches of the validation split per eva
 track_weights = ["layers.0.attn.wq.weight", "layers.0.mlp.w_up.weight",
                  "layers.{last}.attn.wq.weight", "layers.{last}.mlp.w_up.weight"]
                                 # matrices whose row cosine and stable rank each evaluation logs
+bench_interval = 0              # steps between downstream benchmarks (eval.py bench's scorer, every rank; 0: none)
+bench_task = "hellaswag"        # "hellaswag" (bench_source) or "anchor" (data_dir's val/test/heldout splits)
+bench_source = ""               # hellaswag: a local file (the data kit's hellaswag_val_full.txt.bz2) or "hub"
+bench_limit = 100               # the first N items (anchor: records of each split), the same every time
+bench_truncate = ""             # "left": contexts past the window are cut (and counted), as eval.py bench's
+bench_tokenizer_dir = ""        # offline files of data_dir's tokenizer (prepare_data.py --tokenizer-dir)
 ckpt_interval = 500             # steps between checkpoints
 keep_last = 2                   # checkpoints kept, newest first ...
 keep_every = 0                  # ... plus every keep_every-th step forever (0: none)
@@ -109,430 +116,45 @@ SCHEDULES = ("cosine", "wsd")
 GAMMA_MAX = 3.0  # the largest γ a run accepts (see gamma's comment above)
 FP32 = torch.finfo(torch.float32)  # AdamW's state and the parameters it updates (bf16 is only a compute copy)
 
-
-# Names other training scripts (nanoGPT, HF Trainer) use for settings that are spelled
-# differently here: difflib can't see that learning_rate is lr.
-ALIASES = {"learning_rate": "lr", "max_iters": "max_steps", "warmup_iters": "warmup_steps", "block_size": "seq_len",
-           "batch": "batch_size", "micro_batch_size": "batch_size", "gradient_accumulation_steps": "global_batch",
-           "wd": "weight_decay", "eps": "adam_eps", "beta1": "betas", "beta2": "betas", "grad_norm_clip": "grad_clip",
-           "eval_iters": "eval_batches", "n_layer": "model.n_layer", "n_head": "model.n_head",
-           "n_embd": "model.d_model", "d_model": "model.d_model", "init_std": "gamma"}
-
-
-def usage():
-    """--help: how to call train.py, then every setting with its default and the comment beside it
-    in the defaults block above."""
-    lines = [__doc__.strip().split("\n\n")[0], "",
-             "usage: python train.py [CONFIG.py ...] [--key=value ...]",
-             "       torchrun --nproc_per_node=N train.py CONFIG.py [--key=value ...]",
-             "       python train.py export CKPT OUT [--format pt|hf]   (python train.py export --help)", "",
-             "Config files run in order over the defaults below, then --key=value (a Python literal, else a",
-             "string) and --key.item=value (one entry of a dict setting) override them. Settings, with defaults:"]
-    return "\n".join(lines + settings_help(__file__, DEFAULTS))
-
-
-def load_config(argv):
-    """Defaults <- config files (in order) <- --key=value overrides (configurator.py); validated."""
-    cfg = configure(DEFAULTS, argv, ALIASES)
-    validate(cfg)
-    return cfg
-
-
-def validate(cfg):
-    if cfg["schedule"] not in SCHEDULES:
-        raise ValueError(f"config: schedule={cfg['schedule']!r}: choose one of {SCHEDULES}")
-    if cfg["attn_backend"] not in ("auto", *ATTN_BACKENDS):
-        raise ValueError(f"config: attn_backend={cfg['attn_backend']!r}: choose one of auto, {', '.join(ATTN_BACKENDS)}")
-    for key in ("seq_len", "global_batch", "batch_size", "max_steps", "log_interval",
-                "eval_interval", "eval_batches", "ckpt_interval", "keep_last"):
-        if cfg[key] < 1:
-            raise ValueError(f"config: {key}={cfg[key]} must be >= 1")
-    for key in ("warmup_steps", "keep_every", "dry_run", "peak_flops", "grad_clip"):
-        if cfg[key] < 0:
-            raise ValueError(f"config: {key}={cfg[key]} must be >= 0")
-    # AdamW's state is fp32: an eps below its smallest normal is a subnormal (read as 0 where
-    # denormals are flushed) or, below ~7e-46, exactly 0, and a parameter whose gradient is 0 then
-    # gets the update 0/0 = NaN, which the divergence hint would blame on lr.
-    if not cfg["adam_eps"] >= FP32.tiny:
-        raise ValueError(f"config: adam_eps={cfg['adam_eps']:g} must be >= float32's smallest normal {FP32.tiny:.3g} "
-                         f"(AdamW's state is fp32: smaller is 0 or subnormal there, and a zero gradient's update "
-                         f"0/0 = NaN); use e.g. 1e-8")
-    if not all(type(s) is int and 0 <= s <= cfg["max_steps"] for s in cfg["keep_steps"]):
-        raise ValueError(f"config: keep_steps={cfg['keep_steps']} must be whole steps between 0 and max_steps")
-    if not 0 <= cfg["seed"] < 2**64:  # torch's generators take 64 bits, numpy's no negative seed
-        raise ValueError(f"config: seed={cfg['seed']} must be in 0 <= seed < 2**64")
-    if not cfg["warmup_steps"] < cfg["max_steps"]:
-        raise ValueError(f"config: warmup_steps={cfg['warmup_steps']} must be < max_steps={cfg['max_steps']}")
-    for key in ("min_lr_ratio", "decay_frac"):
-        if not 0 <= cfg[key] <= 1:
-            raise ValueError(f"config: {key}={cfg[key]} must be between 0 and 1")
-    decay_start = cfg["max_steps"] - int(cfg["decay_frac"] * cfg["max_steps"])  # lr_at's, for wsd
-    if cfg["schedule"] == "wsd" and cfg["warmup_steps"] > decay_start:  # lr would drop from the peak at once
-        raise ValueError(f"config: schedule='wsd' decays from step {decay_start} (decay_frac={cfg['decay_frac']} of "
-                         f"max_steps={cfg['max_steps']}), before warmup_steps={cfg['warmup_steps']} end: lower "
-                         f"decay_frac to <= {(cfg['max_steps'] - cfg['warmup_steps']) / cfg['max_steps']:g} or warmup_steps to <= {decay_start}")
-    if len(cfg["betas"]) != 2 or not all(type(b) in (int, float) and 0 <= b < 1 for b in cfg["betas"]):
-        raise ValueError(f"config: betas={cfg['betas']} must be two numbers in [0, 1), e.g. (0.9, 0.95)")
-    if any(v < 0 for v in cfg["weight_decay"].values()):
-        raise ValueError(f"config: weight_decay={cfg['weight_decay']} must be >= 0 in every group")
-    check_lr(cfg)
-    for key, package in (("tensorboard_dir", "tensorboard"), ("wandb_log", "wandb")):
-        if cfg[key] and importlib.util.find_spec(package) is None:  # fail now, not at the first log
-            raise ValueError(f"config: {key}={cfg[key]!r} needs the {package} package: pip install {package}")
-    if not cfg["out_dir"].strip():  # "" would write checkpoints into the current folder
-        raise ValueError("config: out_dir is empty: name the run folder, e.g. --out_dir=out/run")
-    check_gamma("gamma", cfg["gamma"])
-    mcfg = model_config(cfg, "cpu")  # unknown size / GPTConfig field / bad value fails here, no GPU needed
-    if cfg["init_overrides"]:
-        # Matched against the model's own parameter names (built on meta: no memory, no GPU), so a
-        # typo or a bad regex fails now, not after the data is opened, or never (a pattern that
-        # matches nothing changed no γ, silently).
-        with torch.device("meta"):
-            net = GPT(mcfg)
-        try:
-            check_overrides(cfg["init_overrides"], net)
-        except ValueError as e:
-            raise ValueError(f"config: init_overrides: {e}") from None
-        for pattern, value in cfg["init_overrides"].items():
-            check_gamma(f"init_overrides[{pattern!r}]", value)
-    if cfg["seq_len"] > mcfg.max_seq_len:
-        raise ValueError(f"config: seq_len={cfg['seq_len']} > the model's max_seq_len={mcfg.max_seq_len}: "
-                         f"lower seq_len or set --model.max_seq_len={cfg['seq_len']}")
-
-
-def check_lr(cfg):
-    """AdamW turns lr into two fp32 scalars: the step size lr / (1 - beta1^t), largest at the first
-    step (bias correction), and the decay factor 1 - lr * weight_decay. Past float32's max the
-    first stops torch with an overflow traceback, the second silently turns that group's weights
-    to inf. (An lr just inside the bound still diverges at once; the non-finite checks catch that.)"""
-    lr = cfg["lr"]
-    if not lr > 0:
-        raise ValueError(f"config: lr={lr} must be > 0")
-    step_size = lr / (1 - cfg["betas"][0])
-    if step_size > FP32.max:
-        raise ValueError(f"config: lr={lr:g} is too large: AdamW's first step size lr/(1 - betas[0]) = {step_size:.3g} "
-                         f"is past float32's max {FP32.max:.3g}; use e.g. lr=1e-3")
-    for group, wd in cfg["weight_decay"].items():
-        if lr * wd > FP32.max:
-            raise ValueError(f"config: weight_decay.{group}={wd:g} times lr={lr:g} is past float32's max {FP32.max:.3g}: "
-                             f"AdamW would scale the weights by 1 - lr*weight_decay = -inf; use e.g. 0.1")
-
-
-def check_gamma(key, value):
-    if not 0 < value <= GAMMA_MAX:  # also refuses nan
-        raise ValueError(f"config: {key}={value} is outside 0 < γ <= {GAMMA_MAX:g}: at γ <= 0 weights do not shrink "
-                         f"with width, above {GAMMA_MAX:g} they start near 0; use e.g. 0.5 (standard) or 1.0")
-
-
-def model_config(cfg, device_type):
-    backend = cfg["attn_backend"]
-    if backend == "auto":
-        backend = "flex" if device_type == "cuda" else "sdpa"
-    try:
-        mcfg = config_for(cfg["model_size"], **{"attn_backend": backend, **cfg["model"]})
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"config: model_size={cfg['model_size']!r}, model={cfg['model']}: {e}") from None
-    if mcfg.attn_backend == "varlen":  # its device and torch checks, before any run folder exists
-        load_varlen(mcfg, torch.device(device_type))
-    return mcfg
-
-
-def grad_accum(cfg, world):
-    per_step = cfg["batch_size"] * world
-    if cfg["global_batch"] % per_step:
-        raise ValueError(f"config: global_batch={cfg['global_batch']} is not a multiple of "
-                         f"batch_size*world_size={cfg['batch_size']}*{world}; change batch_size")
-    return cfg["global_batch"] // per_step
-
-
-def lr_at(cfg, step):
-    """Learning rate for the update that produces step+1."""
-    peak, low, warm, total = cfg["lr"], cfg["lr"] * cfg["min_lr_ratio"], cfg["warmup_steps"], cfg["max_steps"]
-    if step < warm:
-        return peak * (step + 1) / warm
-    if cfg["schedule"] == "cosine":
-        progress = (step - warm) / max(total - warm - 1, 1)
-        return low + 0.5 * (1 + math.cos(math.pi * progress)) * (peak - low)
-    decay_start = total - int(cfg["decay_frac"] * total)
-    if step < decay_start:
-        return peak
-    return peak - (peak - low) * (step - decay_start + 1) / (total - decay_start)
-
-
-def steps_due(first, last, interval, extra=()):
-    """How many steps in [first, last] are a multiple of interval, the last one, or in extra:
-    the evaluations (or checkpoints) still to run."""
-    return (last // interval - (first - 1) // interval + (last % interval != 0)
-            + len({s for s in extra if first <= s < last and s % interval}))
-
-
-def eta_seconds(cfg, step, step_s, spent):
-    """Time left after the update that produced `step`: the remaining steps at step_s each, plus
-    the evaluations and checkpoints still due (this step's too: they run after its log line) at
-    their mean duration so far (spent: lists of seconds; none counted until one was timed)."""
-    mean = {k: sum(v) / len(v) if v else 0.0 for k, v in spent.items()}
-    last = cfg["max_steps"]
-    return ((last - step) * step_s + steps_due(step, last, cfg["eval_interval"]) * mean["eval_s"]
-            + steps_due(step, last, cfg["ckpt_interval"], cfg["keep_steps"]) * mean["ckpt_s"])
-
-
-# ----------------------------------------------------------------------------- model and optimizer
-def setup_distributed():
-    """torchrun -> its process group; plain python -> a 1-rank group (same code path)."""
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        # Bound before the process group exists, and named to it, so NCCL never guesses the
-        # device (a guessed device 0 on every rank hangs or crowds one GPU).
-        torch.cuda.set_device(device)
-    kwargs = {"device_id": device} if cuda else {}
-    if "RANK" in os.environ:
-        dist.init_process_group("nccl" if cuda else "gloo", **kwargs)
-    else:
-        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def build_model(cfg, mcfg, device):
-    """meta -> compile blocks -> FSDP2 blocks + root -> to_empty -> γ-init (torchtitan's order).
-    Building on meta never allocates the full model on one rank; the init fills each rank's
-    shard from the same full tensors, so the weights do not depend on the world size."""
-    with torch.device("meta"):
-        net = GPT(mcfg)
-    if cfg["compile"]:
-        for block in net.layers:
-            block.compile()  # in place: parameter names (and so checkpoints) don't change
-    # bf16 params with fp32 gradient reduction on CUDA; fp32 on CPU, where bf16 matmuls are
-    # ~70x slower and exact-resume / cross-world-size tests need fp32.
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if device.type == "cuda" else MixedPrecisionPolicy()
-    for i, block in enumerate(net.layers):
-        # The last block is needed again right away by backward: don't free its params.
-        fully_shard(block, mp_policy=mp, reshard_after_forward=i < len(net.layers) - 1)
-    fully_shard(net, mp_policy=mp)
-    net.to_empty(device=device)
-    report = init_model_(net, gamma=cfg["gamma"], seed=cfg["seed"], overrides=cfg["init_overrides"] or None)
-    return net, report
-
-
-def param_groups(net, cfg):
-    """matrix: weights inside blocks (incl. MoE experts and router); embed: tok_emb and lm_head;
-    norm: 1-d gains. Each group has its own decoupled weight decay (the γ=1 recipe pairs small
-    init with larger decay on matrices, so it is swept per group)."""
-    groups = {name: [] for name in cfg["weight_decay"]}
-    for name, p in net.named_parameters():
-        kind = "norm" if p.dim() < 2 else "embed" if name.startswith(("tok_emb.", "lm_head.")) else "matrix"
-        groups[kind].append(p)
-    return [{"name": k, "params": ps, "weight_decay": cfg["weight_decay"][k]} for k, ps in groups.items() if ps]
-
-
-def make_optimizer(net, cfg, device):
-    return torch.optim.AdamW(param_groups(net, cfg), lr=cfg["lr"], betas=cfg["betas"], eps=cfg["adam_eps"],
-                             fused=device.type == "cuda")
-
-
-# ----------------------------------------------------------------------------- measurement
-def memory_estimate(net, mcfg, cfg, world, accum):
-    """Bytes per GPU on CUDA (bf16 compute), roughly: sharded fp32 state + gathered blocks +
-    activations + logits."""
-    n = sum(p.numel() for p in net.parameters())
-    compiled = cfg["compile"]
-    embed = sum(p.numel() for name, p in net.named_parameters() if name.startswith(("tok_emb.", "lm_head.")))
-    per_block = (n - embed) / mcfg.n_layer
-    act = 2  # bytes per bf16 activation value
-    tokens = cfg["batch_size"] * cfg["seq_len"]
-    parts = {
-        "params+grads+adam (fp32, sharded)": 16 * n / world,
-        # root params (embeddings/head) and ~2 blocks (current + prefetched) all-gathered
-        "gathered params": act * (embed + 2 * per_block),
-        # Bytes saved for backward per token, d_model and layer (no T x T scores: flex/sdpa are
-        # fused): ~34 with compiled blocks (Korthikanti et al.'s ~17 bf16 values), ~61 eager
-        # (measured on this model). With checkpointing each block keeps its input, plus one
-        # block's activations while it is recomputed.
-        "activations": tokens * mcfg.d_model * (
-            act * mcfg.n_layer + (34 if compiled else 61) if mcfg.activation_checkpointing
-            else (34 if compiled else 61) * mcfg.n_layer),
-        # The chunked loss: one chunk of logits at a time, and its saved gradients (model.py)
-        "loss (chunked logits, saved grads)": loss_tail_bytes(tokens, mcfg.d_model, mcfg.vocab_size, act),
-    }
-    if accum > 1:  # with sync off FSDP2 keeps unsharded fp32 gradients between micro-steps
-        parts["unsharded grads (accumulation)"] = 4 * n
-    return parts
-
-
-def matmul_peak(cfg, device):
-    """(peak FLOP/s of one device for MFU, where it came from): peak_flops if set; H100/H200 bf16
-    dense from the datasheet. 0 (MFU not reported) on a CPU or an unknown GPU: a CPU's matmul rate
-    has no datasheet figure (it depends on threads, vector units and the neighbours), and a rate
-    timed at start-up under load read low enough to print MFU above 100%."""
-    if cfg["peak_flops"]:
-        return cfg["peak_flops"], "peak_flops setting"
-    if device.type != "cuda":
-        return 0.0, "no nominal peak on CPU: set peak_flops for MFU"
-    name = torch.cuda.get_device_name(device)
-    if "H100" in name and "PCIe" in name:
-        return 756e12, f"{name} datasheet"
-    if "H100" in name and "NVL" in name:
-        return 835e12, f"{name} datasheet"
-    return (989e12, f"{name} datasheet") if re.search(r"H100|H200", name) else (0.0, name)  # SXM parts
-
-
-@torch.no_grad()
-def weight_structure(net, names):
-    """Stable rank ||W||_F^2 / ||W||_2^2 and row-cosine statistics (analysis.py's definitions) of a
-    few matrices: the condensation signal (γ=1 should show high cosine / low rank early that
-    later relaxes)."""
-    params = dict(net.named_parameters())
-    out = {}
-    for name in names:
-        w = params[name]
-        w = w.full_tensor() if isinstance(w, DTensor) else w  # collective: all ranks
-        if w.dim() == 3:
-            w = w[0].T  # stacked experts (E, d_in, d_out): expert 0, one row per neuron
-        out[name] = {"stable_rank": stable_rank(w), **cosine_stats(row_cosines(w))}
-    return out
-
-
-@torch.no_grad()
-def evaluate(net, loader, cfg, device):
-    """Token-weighted validation loss over eval_batches fixed global batches (same every time)."""
-    loader.epoch, loader.pos = 0, 0  # rewound: every evaluation scores the same batches
-    total = torch.zeros(2, device=device)
-    net.eval()
-    for _ in range(cfg["eval_batches"]):
-        x, y = loader.next_batch()
-        for xb, yb in zip(x.split(cfg["batch_size"]), y.split(cfg["batch_size"])):
-            _, loss = net(xb.to(device), yb.to(device))
-            n = (yb != -1).sum()
-            if n:
-                total += torch.stack([loss.float() * n, n.to(total)])
-    net.train()
-    dist.all_reduce(total)
-    return (total[0] / total[1]).item()
-
-
-def open_loader(cfg, split, rank, world):
-    """This rank's share of each global batch: grad_accum micro-batches. The loader's position
-    counts windows of the global order, so the data order depends only on (seed, global_batch),
-    never on the world size or micro-batch size: resuming on another world size, 1 vs N ranks
-    and 1x4 vs 4x1 accumulation all see the same tokens in each step."""
-    try:
-        return TokenLoader(cfg["data_dir"], split, cfg["global_batch"] // world, cfg["seq_len"],
-                           rank=rank, world_size=world, seed=cfg["seed"])
-    except (ValueError, FileNotFoundError) as e:
-        raise type(e)(f"data: {e}") from None
-
-
-# ----------------------------------------------------------------------------- main
-def log0(*args):
-    if dist.get_rank() == 0:
-        print(*args, flush=True)
-
-
-def print_plan(cfg, world):
-    mcfg = model_config(cfg, "cuda")
-    with torch.device("meta"):
-        net = GPT(mcfg)
-    accum = grad_accum(cfg, world)
-    counts = net.num_params()
-    tokens_step = cfg["global_batch"] * cfg["seq_len"]
-    fpt = net.flops_per_token(cfg["seq_len"])
-    mem = memory_estimate(net, mcfg, cfg, world, accum)
-    print(f"model {cfg['model_size']}: {counts['total']:,} params ({counts['active']:,} active, "
-          f"{counts['embedding']:,} embedding); {mcfg.n_layer} layers, d_model {mcfg.d_model}, "
-          f"{mcfg.n_head} heads, gate {mcfg.attn_gate}, norm_eps {mcfg.norm_eps:g}, gamma {cfg['gamma']}")
-    print(f"world {world}: batch {cfg['batch_size']} x {cfg['seq_len']} per rank, grad_accum {accum}, "
-          f"{tokens_step:,} tokens/step, {cfg['max_steps']:,} steps = {tokens_step * cfg['max_steps']:,} tokens")
-    print(f"FLOPs/token {fpt:.4g}; total {fpt * tokens_step * cfg['max_steps']:.3g} FLOPs")
-    for part, b in mem.items():
-        print(f"  {part:<36} {b / 2**30:8.2f} GiB")
-    print(f"memory/GPU (estimate, bf16 on CUDA)     {sum(mem.values()) / 2**30:8.2f} GiB")
-    return {"params": counts, "tokens_per_step": tokens_step, "grad_accum": accum,
-            "flops_per_token": fpt, "memory_bytes": sum(mem.values())}
-
-
-def open_data(cfg, mcfg, rank, world):
-    """(train loader, val loader, data fingerprint), the data checked against the model first: a
-    wrong tokenizer or an id past the vocab would crash mid-run (a device assert on CUDA)."""
-    loader = open_loader(cfg, "train", rank, world)
-    val_loader = open_loader(cfg, "val", rank, world)  # opened now: a missing split fails at start
-    try:
-        check_model_vocab(loader.meta, mcfg.vocab_size)
-        check_token_ids(cfg["data_dir"], loader.meta, mcfg.vocab_size)
-    except ValueError as e:
-        raise ValueError(f"data: {e}") from None
-    if mcfg.doc_mask and mcfg.eot_id != loader.meta["eot_id"]:
-        raise ValueError(f"config: model.eot_id={mcfg.eot_id} but {cfg['data_dir']} ends documents with "
-                         f"{loader.meta['eot_id']}: set --model.eot_id={loader.meta['eot_id']}")
-    return loader, val_loader, data_fingerprint(cfg["data_dir"], loader.meta)
-
-
-def tracked_weights(net, cfg, n_layer):
-    """The parameter names of track_weights ("{last}" is the last layer)."""
-    names = dict(net.named_parameters())
-    # MoE expert weights are bare (E, d_in, d_out) parameters: "mlp.w_up.weight" -> "mlp.w_up"
-    track = [n if n in names else n.removesuffix(".weight")
-             for n in (n.format(last=n_layer - 1) for n in cfg["track_weights"])]
-    for n in track:
-        if n not in names:
-            raise unknown_key(n, names, "track_weights")
-    return track
-
-
-def evaluation(net, val_loader, cfg, device, step, track):
-    t0 = time.time()
-    val = evaluate(net, val_loader, cfg, device)
-    log0(f"step {step}: val loss {val:.4f}")
-    return {"step": step, "val_loss": val, "weights": weight_structure(net, track), "eval_s": time.time() - t0}
-
-
-def log_step(cfg, metrics, device, step, first_line, since, train_time, lr, loss, norm, moe_counts, aux, fpt, peak):
-    """The log line after this launch's first step and every log_interval steps (and the last), a
-    metrics.jsonl row on the latter. since: the (step, training seconds) that throughput counts
-    from, returned moved to this step; peak: FLOP/s of all ranks (0: unknown, no MFU)."""
-    recorded = step % cfg["log_interval"] == 0 or step == cfg["max_steps"]  # metrics.jsonl keeps its interval
-    if not (recorded or first_line):
-        return since
-    tokens_step = cfg["global_batch"] * cfg["seq_len"]
-    tps = tokens_step * (step - since[0]) / (train_time - since[1])
-    row = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tps,
-           "mfu": fpt * tps / peak if peak else None, "mem_gib": memory_used(device),
-           "eta_s": eta_seconds(cfg, step, tokens_step / tps, metrics.spent), "tokens": step * tokens_step}
-    moe = ""
-    if moe_counts is not None:
-        load = moe_counts.float() / moe_counts.sum(-1, keepdim=True) * moe_counts.shape[-1]
-        row.update(expert_load=load.tolist(), aux_loss=aux.item())
-        moe = f" expert load max {load.max():.2f} aux {row['aux_loss']:.3g}"
-    mfu = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
-    # After the last step only the final evaluation and checkpoint remain: said so, not as "eta".
-    left = (f"final evaluation and checkpoint ~{row['eta_s'] / 60:.1f} min" if step == cfg["max_steps"]
-            else f"eta {row['eta_s'] / 60:.1f} min")
-    log0(f"step {step}/{cfg['max_steps']} loss {loss:.4f} lr {lr:.3g} grad norm {norm:.3g} {tps:,.0f} tok/s mfu {mfu} "
-         f"mem {row['mem_gib']:.2f} GiB {left}{moe}"
-         + (" (first step: compile and warm-up included)" if first_line else ""))
-    if recorded:
-        metrics.record(row)
-    # Moved on the first line too: else the next line averages in the first step's compile
-    # (an H200 showed step 2 at 2,991 tok/s, as if it compiled again; alone it ran at ~53k).
-    return step, train_time
-
-
-def save_config(cfg, rank, meta, init_report):
-    """Rank 0: the settings into the log and config.json (with every resume's changes and the code
-    version of this start), and the init report unless None (resumed)."""
-    if rank:
-        return
-    log0(json.dumps(cfg, indent=1))
-    config_file = os.path.join(cfg["out_dir"], "config.json")
-    with naming(config_file):
-        write_json(config_file, {**meta["config"], "resume_changes": meta["resume_changes"],
-                                 "code_version": meta["code_version"]})
-    if init_report is not None:
-        log0(format_report(init_report))
-
-
-class Interrupted(Exception):
-    """Ctrl-C (SIGINT): one line saying where the run was and where it resumes (interrupted_line)."""
+# ----------------------------------------------------------------------------- checks of the settings
+# (settings, ok(their values), message): validate() stops at the first rule whose ok returns False or raises a
+# ValueError, saying "config: " + the message formatted with the settings and {error}, the ValueError's text. A
+# rule may rely on the rules above it. Checks that derive a number for their message are functions after train(),
+# their ValueError the message.
+CHECKS = [
+    (("schedule",), lambda s: s in SCHEDULES, f"schedule={{schedule!r}}: choose one of {SCHEDULES}"),
+    (("attn_backend",), lambda b: b in ("auto", *ATTN_BACKENDS),
+     "attn_backend={attn_backend!r}: choose one of " + ", ".join(("auto", *ATTN_BACKENDS))),
+    *[((k,), lambda v: v >= 1, f"{k}={{{k}}} must be >= 1") for k in ("seq_len", "global_batch", "batch_size",
+      "max_steps", "log_interval", "eval_interval", "eval_batches", "ckpt_interval", "keep_last")],
+    *[((k,), lambda v: v >= 0, f"{k}={{{k}}} must be >= 0")
+      for k in ("warmup_steps", "keep_every", "dry_run", "peak_flops", "grad_clip", "bench_interval")],
+    (("adam_eps",), lambda eps: eps >= FP32.tiny,  # where denormals are flushed a subnormal eps is 0 too
+     f"adam_eps={{adam_eps:g}} must be >= float32's smallest normal {FP32.tiny:.3g} (AdamW's state is fp32: smaller "
+     f"is 0 or subnormal there, and a zero gradient's update 0/0 = NaN); use e.g. 1e-8"),
+    (("keep_steps", "max_steps"), lambda steps, last: all(type(s) is int and 0 <= s <= last for s in steps),
+     "keep_steps={keep_steps} must be whole steps between 0 and max_steps"),
+    (("seed",), lambda s: 0 <= s < 2**64, "seed={seed} must be in 0 <= seed < 2**64"),  # torch: 64 bits, numpy: >= 0
+    (("warmup_steps", "max_steps"), lambda w, n: w < n, "warmup_steps={warmup_steps} must be < max_steps={max_steps}"),
+    *[((k,), lambda v: 0 <= v <= 1, f"{k}={{{k}}} must be between 0 and 1") for k in ("min_lr_ratio", "decay_frac")],
+    (("schedule", "warmup_steps", "max_steps", "decay_frac"), lambda *v: wsd_fits(*v), "{error}"),
+    (("betas",), lambda b: len(b) == 2 and all(type(x) in (int, float) and 0 <= x < 1 for x in b),
+     "betas={betas} must be two numbers in [0, 1), e.g. (0.9, 0.95)"),
+    (("weight_decay",), lambda wd: all(v >= 0 for v in wd.values()),
+     "weight_decay={weight_decay} must be >= 0 in every group"),
+    (("lr",), lambda lr: lr > 0, "lr={lr} must be > 0"),
+    (("lr", "betas", "weight_decay"), lambda *v: adamw_fits(*v), "{error}"),
+    *[((k,), lambda v, p=p: not v or importlib.util.find_spec(p) is not None,  # now, not at the first log line
+       f"{k}={{{k}!r}} needs the {p} package: pip install {p}") for k, p in (("tensorboard_dir", "tensorboard"),
+                                                                              ("wandb_log", "wandb"))],
+    (("out_dir",), lambda d: d.strip() != "",  # "" would write checkpoints into the current folder
+     "out_dir is empty: name the run folder, e.g. --out_dir=out/run"),
+    (("gamma",), lambda g: gamma_fits("gamma", g), "{error}"),
+    (("model_size", "model"), lambda size, model: config_for(size, **model),  # the model's checks, no GPU needed
+     "model_size={model_size!r}, model={model}: {error}"),
+    (("init_overrides", "model_size", "model"), lambda *v: overrides_fit(*v), "{error}"),
+    (("seq_len", "model_size", "model"), lambda *v: seq_len_fits(*v), "{error}"),
+]
 
 
 def train(cfg):
@@ -541,6 +163,7 @@ def train(cfg):
     accum = grad_accum(cfg, world)
     mcfg = model_config(cfg, device.type)
     loader, val_loader, data_fp = open_data(cfg, mcfg, rank, world)
+    bench = open_bench(cfg, mcfg)  # before the run folder exists: a bad bench_* setting is one line
     done = open_run_dir(cfg["out_dir"], cfg["resume"], rank, log0)
     net, init_report = build_model(cfg, mcfg, device)
     opt = make_optimizer(net, cfg, device)
@@ -558,6 +181,8 @@ def train(cfg):
         last_ckpt = resumed
         if not resumed:
             metrics.record(evaluation(net, val_loader, cfg, device, step, track))
+            if bench:
+                metrics.record(bench(net, step))
             if 0 in cfg["keep_steps"]:
                 last_ckpt = save_and_record(cfg, step, net, opt, loader, meta, last_ckpt, metrics, " (the init)")
         start, since, train_time = step, (step, 0.0), 0.0  # training time only: no eval/checkpoints
@@ -567,6 +192,8 @@ def train(cfg):
             for group in opt.param_groups:
                 group["lr"] = lr
             x, y = loader.next_batch()
+            # Gradients sync on the last micro-step only: a batch of another size would skip or repeat the sync.
+            assert len(x) == accum * cfg["batch_size"], (len(x), accum, cfg["batch_size"])
             n_total = (y != -1).sum().to(device)
             dist.all_reduce(n_total)  # loss tokens in the global batch
             loss_sum = torch.zeros((), device=device)
@@ -607,12 +234,262 @@ def train(cfg):
                              lr, loss_val, norm_val, moe_counts, aux_sum, fpt, peak * world)
             if step % cfg["eval_interval"] == 0 or step == cfg["max_steps"]:
                 metrics.record(evaluation(net, val_loader, cfg, device, step, track))
+            if bench and (step % cfg["bench_interval"] == 0 or step == cfg["max_steps"]):
+                metrics.record(bench(net, step))  # on every rank: FSDP's all-gathers are collective
             if step % cfg["ckpt_interval"] == 0 or step == cfg["max_steps"] or step in cfg["keep_steps"]:
                 last_ckpt = save_and_record(cfg, step, net, opt, loader, meta, last_ckpt, metrics)
     except KeyboardInterrupt:
         raise Interrupted(interrupted_line(cfg, step)) from None
     finally:
         metrics.close()
+
+
+# ----------------------------------------------------------------------------- model, optimizer, data
+def setup_distributed():
+    """torchrun -> its process group; plain python -> a 1-rank group (same code path)."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        # Bound before the process group exists, and named to it, so NCCL never guesses the
+        # device (a guessed device 0 on every rank hangs or crowds one GPU).
+        torch.cuda.set_device(device)
+    kwargs = {"device_id": device} if cuda else {}
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if cuda else "gloo", **kwargs)
+    else:
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def grad_accum(cfg, world):
+    per_step = cfg["batch_size"] * world
+    if cfg["global_batch"] % per_step:
+        raise ValueError(f"config: global_batch={cfg['global_batch']} is not a multiple of "
+                         f"batch_size*world_size={cfg['batch_size']}*{world}; change batch_size")
+    return cfg["global_batch"] // per_step
+
+
+def model_config(cfg, device_type):
+    """The GPTConfig of validated settings on device_type ("cuda" or "cpu"): attn_backend "auto" resolved, and
+    varlen's device and torch checks run, before any run folder exists."""
+    backend = cfg["attn_backend"]
+    if backend == "auto":
+        backend = "flex" if device_type == "cuda" else "sdpa"
+    mcfg = config_for(cfg["model_size"], **{"attn_backend": backend, **cfg["model"]})
+    if mcfg.attn_backend == "varlen":
+        load_varlen(mcfg, torch.device(device_type))
+    return mcfg
+
+
+def build_model(cfg, mcfg, device):
+    """meta -> compile -> FSDP2 blocks + root -> to_empty -> γ-init (torchtitan's order).
+    Building on meta never allocates the full model on one rank; the init fills each rank's
+    shard from the same full tensors, so the weights do not depend on the world size."""
+    with torch.device("meta"):
+        net = GPT(mcfg)
+    if cfg["compile"]:
+        compile_model_(net)  # in place (names, so checkpoints, unchanged): blocks, final norm, loss chunks
+    # bf16 params with fp32 gradient reduction on CUDA; fp32 on CPU, where bf16 matmuls are
+    # ~70x slower and exact-resume / cross-world-size tests need fp32.
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if device.type == "cuda" else MixedPrecisionPolicy()
+    for i, block in enumerate(net.layers):
+        # The last block is needed again right away by backward: don't free its params.
+        fully_shard(block, mp_policy=mp, reshard_after_forward=i < len(net.layers) - 1)
+    fully_shard(net, mp_policy=mp)
+    net.to_empty(device=device)
+    report = init_model_(net, gamma=cfg["gamma"], seed=cfg["seed"], overrides=cfg["init_overrides"] or None)
+    return net, report
+
+
+def param_groups(net, cfg):
+    """matrix: weights inside blocks (incl. MoE experts and router); embed: tok_emb and lm_head;
+    norm: 1-d gains. Each group has its own decoupled weight decay (the γ=1 recipe pairs small
+    init with larger decay on matrices, so it is swept per group)."""
+    groups = {name: [] for name in cfg["weight_decay"]}
+    for name, p in net.named_parameters():
+        kind = "norm" if p.dim() < 2 else "embed" if name.startswith(("tok_emb.", "lm_head.")) else "matrix"
+        groups[kind].append(p)
+    return [{"name": k, "params": ps, "weight_decay": cfg["weight_decay"][k]} for k, ps in groups.items() if ps]
+
+
+def make_optimizer(net, cfg, device):
+    return torch.optim.AdamW(param_groups(net, cfg), lr=cfg["lr"], betas=cfg["betas"], eps=cfg["adam_eps"],
+                             fused=device.type == "cuda")
+
+
+def open_data(cfg, mcfg, rank, world):
+    """(train loader, val loader, data fingerprint), the data checked against the model first: a
+    wrong tokenizer or an id past the vocab would crash mid-run (a device assert on CUDA)."""
+    loader = open_loader(cfg, "train", rank, world)
+    val_loader = open_loader(cfg, "val", rank, world)  # opened now: a missing split fails at start
+    try:
+        check_model_vocab(loader.meta, mcfg.vocab_size)
+        check_token_ids(cfg["data_dir"], loader.meta, mcfg.vocab_size)
+    except ValueError as e:
+        raise ValueError(f"data: {e}") from None
+    if mcfg.doc_mask and mcfg.eot_id != loader.meta["eot_id"]:
+        raise ValueError(f"config: model.eot_id={mcfg.eot_id} but {cfg['data_dir']} ends documents with "
+                         f"{loader.meta['eot_id']}: set --model.eot_id={loader.meta['eot_id']}")
+    return loader, val_loader, data_fingerprint(cfg["data_dir"], loader.meta)
+
+
+def open_loader(cfg, split, rank, world):
+    """This rank's share of each global batch: grad_accum micro-batches. The loader's position
+    counts windows of the global order, so the data order depends only on (seed, global_batch),
+    never on the world size or micro-batch size: resuming on another world size, 1 vs N ranks
+    and 1x4 vs 4x1 accumulation all see the same tokens in each step."""
+    try:
+        return TokenLoader(cfg["data_dir"], split, cfg["global_batch"] // world, cfg["seq_len"],
+                           rank=rank, world_size=world, seed=cfg["seed"])
+    except (ValueError, FileNotFoundError) as e:
+        raise type(e)(f"data: {e}") from None
+
+
+def tracked_weights(net, cfg, n_layer):
+    """The parameter names of track_weights ("{last}" is the last layer)."""
+    names = dict(net.named_parameters())
+    # MoE expert weights are bare (E, d_in, d_out) parameters: "mlp.w_up.weight" -> "mlp.w_up"
+    track = [n if n in names else n.removesuffix(".weight")
+             for n in (n.format(last=n_layer - 1) for n in cfg["track_weights"])]
+    for n in track:
+        if n not in names:
+            raise unknown_key(n, names, "track_weights")
+    return track
+
+
+def save_config(cfg, rank, meta, init_report):
+    """Rank 0: the settings into the log and config.json (with every resume's changes and the code
+    version of this start), and the init report unless None (resumed)."""
+    if rank:
+        return
+    log0(json.dumps(cfg, indent=1))
+    config_file = os.path.join(cfg["out_dir"], "config.json")
+    with naming(config_file):
+        write_json(config_file, {**meta["config"], "resume_changes": meta["resume_changes"],
+                                 "code_version": meta["code_version"]})
+    if init_report is not None:
+        log0(format_report(init_report))
+
+
+# ----------------------------------------------------------------------------- schedule and measurement
+def lr_at(cfg, step):
+    """Learning rate for the update that produces step+1."""
+    peak, low, warm, total = cfg["lr"], cfg["lr"] * cfg["min_lr_ratio"], cfg["warmup_steps"], cfg["max_steps"]
+    if step < warm:
+        return peak * (step + 1) / warm
+    if cfg["schedule"] == "cosine":
+        progress = (step - warm) / max(total - warm - 1, 1)
+        return low + 0.5 * (1 + math.cos(math.pi * progress)) * (peak - low)
+    start = decay_start(total, cfg["decay_frac"])
+    if step < start:
+        return peak
+    return peak - (peak - low) * (step - start + 1) / (total - start)
+
+
+def decay_start(max_steps, decay_frac):
+    """wsd: the step from which lr decays linearly to its floor."""
+    return max_steps - int(decay_frac * max_steps)
+
+
+def matmul_peak(cfg, device):
+    """(peak FLOP/s of one device for MFU, where it came from): peak_flops if set; H100/H200 bf16
+    dense from the datasheet. 0 (MFU not reported) on a CPU or an unknown GPU: a CPU's matmul rate
+    has no datasheet figure (it depends on threads, vector units and the neighbours), and a rate
+    timed at start-up depends on the load then, low enough to put MFU above 100%."""
+    if cfg["peak_flops"]:
+        return cfg["peak_flops"], "peak_flops setting"
+    if device.type != "cuda":
+        return 0.0, "no nominal peak on CPU: set peak_flops for MFU"
+    name = torch.cuda.get_device_name(device)
+    if "H100" in name and "PCIe" in name:
+        return 756e12, f"{name} datasheet"
+    if "H100" in name and "NVL" in name:
+        return 835e12, f"{name} datasheet"
+    return (989e12, f"{name} datasheet") if re.search(r"H100|H200", name) else (0.0, name)  # SXM parts
+
+
+def memory_estimate(net, mcfg, cfg, world, accum):
+    """Bytes per GPU on CUDA (bf16 compute), roughly: sharded fp32 state + gathered blocks +
+    activations + logits."""
+    n = sum(p.numel() for p in net.parameters())
+    compiled = cfg["compile"]
+    embed = sum(p.numel() for name, p in net.named_parameters() if name.startswith(("tok_emb.", "lm_head.")))
+    per_block = (n - embed) / mcfg.n_layer
+    act = 2  # bytes per bf16 activation value
+    tokens = cfg["batch_size"] * cfg["seq_len"]
+    parts = {
+        "params+grads+adam (fp32, sharded)": 16 * n / world,
+        # root params (embeddings/head) and ~2 blocks (current + prefetched) all-gathered
+        "gathered params": act * (embed + 2 * per_block),
+        # Bytes saved for backward per token, d_model and layer (no T x T scores: flex/sdpa are
+        # fused): ~34 with compiled blocks (Korthikanti et al.'s ~17 bf16 values), ~61 eager
+        # (measured on this model). With checkpointing each block keeps its input, plus one
+        # block's activations while it is recomputed.
+        "activations": tokens * mcfg.d_model * (
+            act * mcfg.n_layer + (34 if compiled else 61) if mcfg.activation_checkpointing
+            else (34 if compiled else 61) * mcfg.n_layer),
+        # The chunked loss: one chunk of logits at a time, and its saved gradients (model.py)
+        "loss (chunked logits, saved grads)": loss_tail_bytes(tokens, mcfg.d_model, mcfg.vocab_size, act),
+    }
+    if accum > 1:  # with sync off FSDP2 keeps unsharded fp32 gradients between micro-steps
+        parts["unsharded grads (accumulation)"] = 4 * n
+    return parts
+
+
+def memory_used(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS, KiB on Linux
+
+
+def evaluation(net, val_loader, cfg, device, step, track):
+    t0 = time.time()
+    val = evaluate(net, val_loader, cfg, device)
+    log0(f"step {step}: val loss {val:.4f}")
+    return {"step": step, "val_loss": val, "weights": weight_structure(net, track), "eval_s": time.time() - t0}
+
+
+@torch.no_grad()
+def evaluate(net, loader, cfg, device):
+    """Token-weighted validation loss over eval_batches fixed global batches (same every time)."""
+    loader.epoch, loader.pos = 0, 0  # rewound: every evaluation scores the same batches
+    total = torch.zeros(2, device=device)
+    net.eval()
+    for _ in range(cfg["eval_batches"]):
+        x, y = loader.next_batch()
+        for xb, yb in zip(x.split(cfg["batch_size"]), y.split(cfg["batch_size"])):
+            _, loss = net(xb.to(device), yb.to(device))
+            n = (yb != -1).sum()
+            if n:
+                total += torch.stack([loss.float() * n, n.to(total)])
+    net.train()
+    dist.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
+@torch.no_grad()
+def weight_structure(net, names):
+    """Stable rank ||W||_F^2 / ||W||_2^2 and row-cosine statistics (analysis.py's definitions) of a
+    few matrices: the condensation signal (γ=1 should show high cosine / low rank early that
+    later relaxes)."""
+    params = dict(net.named_parameters())
+    out = {}
+    for name in names:
+        w = params[name]
+        w = w.full_tensor() if isinstance(w, DTensor) else w  # collective: all ranks
+        if w.dim() == 3:
+            w = w[0].T  # stacked experts (E, d_in, d_out): expert 0, one row per neuron
+        out[name] = {"stable_rank": stable_rank(w), **cosine_stats(row_cosines(w))}
+    return out
+
+
+def open_bench(cfg, mcfg):
+    """The downstream benchmark run every bench_interval steps (downstream.open_training_bench), or None."""
+    if not cfg["bench_interval"]:
+        return None
+    return open_training_bench(cfg["bench_task"], cfg["bench_source"], cfg["bench_limit"], cfg["data_dir"], mcfg,
+                               cfg["bench_truncate"], cfg["bench_tokenizer_dir"], log0)
 
 
 def save_and_record(cfg, step, net, opt, loader, meta, last_ckpt, metrics, note=""):
@@ -623,25 +500,159 @@ def save_and_record(cfg, step, net, opt, loader, meta, last_ckpt, metrics, note=
     return path
 
 
-def memory_used(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS, KiB on Linux
+# ----------------------------------------------------------------------------- logging
+def log0(*args):
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
 
 
+def log_step(cfg, metrics, device, step, first_line, since, train_time, lr, loss, norm, moe_counts, aux, fpt, peak):
+    """The log line after this launch's first step and every log_interval steps (and the last), a
+    metrics.jsonl row on the latter. since: the (step, training seconds) that throughput counts
+    from, returned moved to this step; peak: FLOP/s of all ranks (0: unknown, no MFU)."""
+    recorded = step % cfg["log_interval"] == 0 or step == cfg["max_steps"]  # metrics.jsonl keeps its interval
+    if not (recorded or first_line):
+        return since
+    tokens_step = cfg["global_batch"] * cfg["seq_len"]
+    tps = tokens_step * (step - since[0]) / (train_time - since[1])
+    row = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tps,
+           "mfu": fpt * tps / peak if peak else None, "mem_gib": memory_used(device),
+           "eta_s": eta_seconds(cfg, step, tokens_step / tps, metrics.spent), "tokens": step * tokens_step}
+    moe = ""
+    if moe_counts is not None:
+        load = moe_counts.float() / moe_counts.sum(-1, keepdim=True) * moe_counts.shape[-1]
+        row.update(expert_load=load.tolist(), aux_loss=aux.item())
+        moe = f" expert load max {load.max():.2f} aux {row['aux_loss']:.3g}"
+    mfu = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
+    # After the last step only the final evaluation and checkpoint remain: said so, not as "eta".
+    left = (f"final evaluation and checkpoint ~{row['eta_s'] / 60:.1f} min" if step == cfg["max_steps"]
+            else f"eta {row['eta_s'] / 60:.1f} min")
+    log0(f"step {step}/{cfg['max_steps']} loss {loss:.4f} lr {lr:.3g} grad norm {norm:.3g} {tps:,.0f} tok/s mfu {mfu} "
+         f"mem {row['mem_gib']:.2f} GiB {left}{moe}"
+         + (" (first step: compile and warm-up included)" if first_line else ""))
+    if recorded:
+        metrics.record(row)
+    # Moved on the first line too: else the next line's throughput averages in the first step's compile and warm-up.
+    return step, train_time
+
+
+def eta_seconds(cfg, step, step_s, spent):
+    """Time left after the update that produced `step`: the remaining steps at step_s each, plus
+    the evaluations, benchmarks and checkpoints still due (this step's too: they run after its log
+    line) at their mean duration so far (spent: lists of seconds; none counted until one was timed)."""
+    mean = {k: sum(v) / len(v) if v else 0.0 for k, v in spent.items()}
+    last = cfg["max_steps"]
+    benches = steps_due(step, last, cfg["bench_interval"]) if cfg["bench_interval"] else 0
+    return ((last - step) * step_s + steps_due(step, last, cfg["eval_interval"]) * mean["eval_s"]
+            + benches * mean["bench_s"]
+            + steps_due(step, last, cfg["ckpt_interval"], cfg["keep_steps"]) * mean["ckpt_s"])
+
+
+def steps_due(first, last, interval, extra=()):
+    """How many steps in [first, last] are a multiple of interval, the last one, or in extra:
+    the evaluations (or checkpoints) still to run."""
+    return (last // interval - (first - 1) // interval + (last % interval != 0)
+            + len({s for s in extra if first <= s < last and s % interval}))
+
+
+# ----------------------------------------------------------------------------- settings: reading and checking
+# Names other training scripts (nanoGPT, HF Trainer) use for settings that are spelled
+# differently here: difflib can't see that learning_rate is lr.
+ALIASES = {"learning_rate": "lr", "max_iters": "max_steps", "warmup_iters": "warmup_steps", "block_size": "seq_len",
+           "batch": "batch_size", "micro_batch_size": "batch_size", "gradient_accumulation_steps": "global_batch",
+           "wd": "weight_decay", "eps": "adam_eps", "beta1": "betas", "beta2": "betas", "grad_norm_clip": "grad_clip",
+           "eval_iters": "eval_batches", "n_layer": "model.n_layer", "n_head": "model.n_head",
+           "n_embd": "model.d_model", "d_model": "model.d_model", "init_std": "gamma"}
+
+
+def usage():
+    """--help: how to call train.py, then every setting with its default and the comment beside it
+    in the defaults block above."""
+    lines = [__doc__.strip().split("\n\n")[0], "",
+             "usage: python train.py [CONFIG.py ...] [--key=value ...]",
+             "       torchrun --nproc_per_node=N train.py CONFIG.py [--key=value ...]",
+             "       python train.py export CKPT OUT [--format pt|hf]   (python train.py export --help)", "",
+             "Config files run in order over the defaults below, then --key=value (a Python literal, else a",
+             "string) and --key.item=value (one entry of a dict setting) override them. Settings, with defaults:"]
+    return "\n".join(lines + settings_help(__file__, DEFAULTS))
+
+
+def load_config(argv):
+    """Defaults <- config files (in order) <- --key=value overrides (configurator.py); validated."""
+    cfg = configure(DEFAULTS, argv, ALIASES)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg):
+    """The first rule of CHECKS that cfg breaks, as a one-line ValueError."""
+    for settings, ok, message in CHECKS:
+        try:
+            if ok(*(cfg[k] for k in settings)) is not False:
+                continue
+            error = None
+        except (ValueError, TypeError) as e:  # a check that names the problem itself (init, GPTConfig)
+            error = e
+        raise ValueError("config: " + (message(cfg) if callable(message) else message.format(**cfg, error=error)))
+
+
+def wsd_fits(schedule, warmup_steps, max_steps, decay_frac):
+    """A wsd decay that starts before warmup ends would drop lr from the peak at once."""
+    start = decay_start(max_steps, decay_frac)
+    if schedule == "wsd" and warmup_steps > start:
+        raise ValueError(f"schedule='wsd' decays from step {start} (decay_frac={decay_frac} of max_steps={max_steps}), "
+                         f"before warmup_steps={warmup_steps} end: lower decay_frac to <= "
+                         f"{(max_steps - warmup_steps) / max_steps:g} or warmup_steps to <= {start}")
+
+
+def adamw_fits(lr, betas, weight_decay):
+    """AdamW turns lr into two fp32 scalars: the step size lr / (1 - beta1^t), largest at the first
+    step (bias correction), and the decay factor 1 - lr * weight_decay. Past float32's max the
+    first stops torch with an overflow error, the second silently turns that group's weights to
+    inf. (An lr just inside the bound still diverges at once; the loop's non-finite check catches that.)"""
+    step_size = lr / (1 - betas[0])
+    if step_size > FP32.max:
+        raise ValueError(f"lr={lr:g} is too large: AdamW's first step size lr/(1 - betas[0]) = {step_size:.3g} is past "
+                         f"float32's max {FP32.max:.3g}; use e.g. lr=1e-3")
+    for group, wd in weight_decay.items():
+        if lr * wd > FP32.max:
+            raise ValueError(f"weight_decay.{group}={wd:g} times lr={lr:g} is past float32's max {FP32.max:.3g}: AdamW "
+                             f"would scale the weights by 1 - lr*weight_decay = -inf; use e.g. 0.1")
+
+
+def gamma_fits(key, value):
+    if not 0 < value <= GAMMA_MAX:  # also refuses nan
+        raise ValueError(f"{key}={value} is outside 0 < γ <= {GAMMA_MAX:g}: at γ <= 0 weights do not shrink with "
+                         f"width, above {GAMMA_MAX:g} they start near 0; use e.g. 0.5 (standard) or 1.0")
+
+
+def overrides_fit(overrides, model_size, model):
+    """init_overrides matched against the model's own parameter names (built on meta: no memory, no GPU), so a typo
+    or a bad regex fails with the settings, not after the data is opened, or never (a pattern that matches nothing
+    changes no γ, silently); then each γ in range."""
+    if not overrides:
+        return
+    with torch.device("meta"):
+        net = GPT(config_for(model_size, **model))
+    try:
+        check_overrides(overrides, net)
+    except ValueError as e:
+        raise ValueError(f"init_overrides: {e}") from None
+    for pattern, value in overrides.items():
+        gamma_fits(f"init_overrides[{pattern!r}]", value)
+
+
+def seq_len_fits(seq_len, model_size, model):
+    max_seq_len = config_for(model_size, **model).max_seq_len
+    if seq_len > max_seq_len:
+        raise ValueError(f"seq_len={seq_len} > the model's max_seq_len={max_seq_len}: lower seq_len or set "
+                         f"--model.max_seq_len={seq_len}")
+
+
+# ----------------------------------------------------------------------------- main
 def main(argv):
     if argv[:1] == ["export"]:
-        p = argparse.ArgumentParser(prog="train.py export", description="one file (pt) or a HF transformers folder (hf)")
-        p.add_argument("ckpt", help="checkpoint folder (hf: also a .pt export or a run folder)")
-        p.add_argument("out", help="pt: the file to write; hf: the folder")
-        p.add_argument("--format", choices=["pt", "hf"], default="pt", help="pt: one torch file; hf: a transformers folder")
-        p.add_argument("--tokenizer-dir", help="hf: offline tiktoken files (prepare_data.py --tokenizer-dir)")
-        a = p.parse_args(argv[1:])
-        if a.format == "pt":
-            export(a.ckpt, a.out)
-        else:
-            from hf_export import export_hf  # transformers/safetensors only when asked for
-            export_hf(a.ckpt, a.out, a.tokenizer_dir)
+        export_command(argv[1:])
         return
     if "--help" in argv or "-h" in argv:
         print(usage())
@@ -658,19 +669,64 @@ def main(argv):
         close_distributed()
 
 
+def export_command(argv):
+    p = argparse.ArgumentParser(prog="train.py export", description="one file (pt) or a HF transformers folder (hf)")
+    p.add_argument("ckpt", help="checkpoint folder (hf: also a .pt export or a run folder)")
+    p.add_argument("out", help="pt: the file to write; hf: the folder")
+    p.add_argument("--format", choices=["pt", "hf"], default="pt", help="pt: one torch file; hf: a transformers folder")
+    p.add_argument("--tokenizer-dir", help="hf: offline tiktoken files (prepare_data.py --tokenizer-dir)")
+    a = p.parse_args(argv)
+    try:
+        if a.format == "pt":
+            export(a.ckpt, a.out)
+        else:
+            from hf_export import export_hf  # transformers/safetensors only when asked for
+            export_hf(a.ckpt, a.out, a.tokenizer_dir)
+    except KeyboardInterrupt:  # both write under a temporary name, removed on the way out, and rename it into place
+        raise Interrupted(f"interrupted: the export to {a.out} stopped before it finished; nothing is half-written, "
+                          f"the same command exports again") from None
+
+
+def print_plan(cfg, world):
+    mcfg = model_config(cfg, "cuda")
+    with torch.device("meta"):
+        net = GPT(mcfg)
+    accum = grad_accum(cfg, world)
+    counts = net.num_params()
+    tokens_step = cfg["global_batch"] * cfg["seq_len"]
+    fpt = net.flops_per_token(cfg["seq_len"])
+    mem = memory_estimate(net, mcfg, cfg, world, accum)
+    print(f"model {cfg['model_size']}: {counts['total']:,} params ({counts['active']:,} active, "
+          f"{counts['embedding']:,} embedding); {mcfg.n_layer} layers, d_model {mcfg.d_model}, "
+          f"{mcfg.n_head} heads, gate {mcfg.attn_gate}, norm_eps {mcfg.norm_eps:g}, gamma {cfg['gamma']}")
+    print(f"world {world}: batch {cfg['batch_size']} x {cfg['seq_len']} per rank, grad_accum {accum}, "
+          f"{tokens_step:,} tokens/step, {cfg['max_steps']:,} steps = {tokens_step * cfg['max_steps']:,} tokens")
+    print(f"FLOPs/token {fpt:.4g}; total {fpt * tokens_step * cfg['max_steps']:.3g} FLOPs")
+    for part, b in mem.items():
+        print(f"  {part:<36} {b / 2**30:8.2f} GiB")
+    print(f"memory/GPU (estimate, bf16 on CUDA)     {sum(mem.values()) / 2**30:8.2f} GiB")
+    return {"params": counts, "tokens_per_step": tokens_step, "grad_accum": accum,
+            "flops_per_token": fpt, "memory_bytes": sum(mem.values())}
+
+
 def close_distributed():
     """Destroy the process group and let go of it, on every way out of a run. A gloo group stays
     alive, its threads running, for as long as anything holds it: the model's FSDP state (kept by
     an error's traceback), and DTensor's caches (sharding propagation, redistribute plans, mesh
-    topology), which keep the run's device meshes, each holding its groups. The interpreter's
-    exit then raced those threads ("terminate called without an active exception", SIGABRT,
-    exit code 134 instead of 1). Called again once the error is handled and its frames are gone."""
+    topology), which keep the run's device meshes, each holding its groups. The interpreter's exit
+    would race those threads and abort (SIGABRT, exit code 134) instead of exiting with the run's
+    status. Called again once the error is handled and its frames are gone."""
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()  # the model and optimizer: FSDP2 holds them in reference cycles
     for obj in gc.get_objects():
         if type(obj) is DeviceMesh:  # not isinstance: it would touch every object's deprecated attributes
             getattr(obj, "_pg_registry", {}).clear()
+
+
+# ----------------------------------------------------------------------------- error lines
+class Interrupted(Exception):
+    """Ctrl-C (SIGINT): one line saying where the run was and where it resumes (interrupted_line)."""
 
 
 def interrupted_line(cfg, step):

@@ -28,8 +28,8 @@ SHARED = os.path.join(ROOT, "..", "shared")  # the offline data kit is SHARED/da
 KIT = os.path.join(SHARED, "data")
 
 # The flags `fewer` may set: how long a command runs, never what it runs.
-SIZES = ("--max_steps", "--warmup_steps", "--eval_interval", "--ckpt_interval", "--limit", "--seeds", "--eval-tokens",
-         "--set max_steps", "--set warmup_steps", "--set eval_interval", "--set ckpt_interval")
+SIZES = ("--max_steps", "--warmup_steps", "--eval_interval", "--ckpt_interval", "--bench_interval", "--limit", "--seeds",
+         "--eval-tokens", "--set max_steps", "--set warmup_steps", "--set eval_interval", "--set ckpt_interval")
 
 
 def fewer(command, *sizes):
@@ -67,6 +67,9 @@ HF_ARGS = "--model hf --model_args pretrained=out/hf/tiny_bytes,trust_remote_cod
 LM_EVAL_LOCAL = f"lm_eval {HF_ARGS} --include_path out/lm_eval_tasks --tasks hellaswag_local --device cpu " \
     "--batch_size 16"
 EVAL_KIT = "../shared/data/eval"
+G1_BENCH = (f"{TINY} --data_dir=data/bi_bytes --out_dir=out/g1_bench --max_steps=300 --eval_interval=100 "
+            f"--bench_interval=100 --bench_source={EVAL_KIT}/hellaswag/hellaswag_val_full.txt.bz2 --bench_limit=100 "
+            "--bench_truncate=left")
 
 # README command -> (where, what runs instead or None for the command as written, why).
 # Where: "run" and "side" are executed in one workspace in README order, as two lanes side by
@@ -123,6 +126,7 @@ COMMANDS = {
     f"python eval.py bench out/g1 --task math500 --source {EVAL_KIT}/math500/test.jsonl --limit 20 --truncate left":
         ("kit", None, ""),
     "python eval.py bench out/anchor_gamma1 --task anchor --data data/anchor": ("run", None, ""),
+    G1_BENCH: ("kit", fewer(G1_BENCH, *TINY_STEPS, "--bench_interval=3"), "300 steps take ~5 minutes"),
     "python eval.py scaling --baseline 1e6=2.10 3e6=1.90 1e7=1.75 3e7=1.66 --compare 3e6=1.80": ("side", None, ""),
     "python eval.py report out/*.json --out out/report.md": ("after", None, ""),
     "python eval.py report results/*.json --out out/study.md": ("side", None, ""),
@@ -307,7 +311,12 @@ def test_readme_commands_needing_the_offline_kit(workspace):
     os.makedirs(ws / "hub_standin", exist_ok=True)
     shutil.copy(ws / "my_corpus" / "en" / "part0.txt", ws / "hub_standin" / "part0.txt")
     outputs = kit_lines("kit", ws)
-    assert len(outputs) == 5
+    assert len(outputs) == 6
+    # the benchmark during training: steps 0, 3 and 6, each a row beside the validation loss
+    assert outputs[G1_BENCH].count("bench hellaswag: acc ") == 3
+    with open(ws / "out" / "g1_bench" / "metrics.jsonl") as f:
+        rows = [row for row in map(json.loads, f) if "bench_hellaswag_acc" in row]
+    assert [row["step"] for row in rows] == [0, 3, 6] and all(0 <= row["bench_hellaswag_acc"] <= 1 for row in rows)
     hellaswag = outputs[f"python eval.py bench out/g1 --task hellaswag --source "
                         f"{EVAL_KIT}/hellaswag/hellaswag_val_full.txt.bz2 --limit 200 --truncate left"]
     assert "acc_norm" in hellaswag and "truncated" in hellaswag

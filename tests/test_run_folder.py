@@ -663,11 +663,11 @@ def test_log_line_mfu_and_time_left(monkeypatch):
     monkeypatch.setattr(train, "log0", lines.append)
 
     class Metrics:  # what log_step reads and writes of checkpoint.Metrics
-        spent = {"eval_s": [30.0], "ckpt_s": [6.0]}
+        spent = {"eval_s": [30.0], "bench_s": [], "ckpt_s": [6.0]}
         record = [].append
 
     cfg = {"log_interval": 1, "max_steps": 4, "global_batch": 2, "seq_len": 64, "eval_interval": 4,
-           "ckpt_interval": 4, "keep_steps": []}
+           "ckpt_interval": 4, "keep_steps": [], "bench_interval": 0}
     cpu = torch.device("cpu")
     for step, peak in ((2, 0.0), (4, 1e6)):  # 128 tokens in 1 s, 4,000 FLOPs a token
         train.log_step(cfg, Metrics, cpu, step, False, (step - 1, 0.0), 1.0, 1e-3, 2.0, 1.0, None, None, 4000.0, peak)

@@ -513,11 +513,11 @@ def test_half_written_metrics_row_and_missing_export_folder(tmp_path):
 def test_throughput_after_the_first_line_leaves_out_the_first_step(monkeypatch):
     """The first step (compile, warm-up) has a line of its own; the next line's tok/s covers only
     the steps after it. By hand: 128 tokens a step, step 1 done at 7 s, step 4 at 10 s: 128/7 then
-    3 * 128/3. (An H200 read 2,991 tok/s at step 2, steps 1 and 2 averaged, as if something had
-    compiled again; step 2 alone ran at ~53k.)"""
+    3 * 128/3."""
     printed, recorded = [], []
     monkeypatch.setattr(train, "log0", printed.append)
-    metrics = type("Rows", (), {"spent": {"eval_s": [], "ckpt_s": []}, "record": staticmethod(recorded.append)})()
+    metrics = type("Rows", (), {"spent": {"eval_s": [], "bench_s": [], "ckpt_s": []},
+                                "record": staticmethod(recorded.append)})()
     cfg = train.load_config([*TINY, "--log_interval=4", "--max_steps=100"])
     since = (0, 0.0)
     for step, seconds in ((1, 7.0), (2, 8.0), (3, 9.0), (4, 10.0)):
@@ -529,13 +529,18 @@ def test_throughput_after_the_first_line_leaves_out_the_first_step(monkeypatch):
 
 
 def test_eta_counts_the_evaluations_and_checkpoints_still_due():
-    cfg = {"max_steps": 100, "eval_interval": 30, "ckpt_interval": 40, "keep_steps": [0, 45, 80, 100]}
-    spent = {"eval_s": [2.0, 4.0], "ckpt_s": [10.0]}
+    cfg = {"max_steps": 100, "eval_interval": 30, "ckpt_interval": 40, "keep_steps": [0, 45, 80, 100],
+           "bench_interval": 0}
+    spent = {"eval_s": [2.0, 4.0], "bench_s": [], "ckpt_s": [10.0]}
     # after step 41: 59 steps; evaluations at 60, 90, 100; checkpoints at 45 (kept), 80, 100
     assert train.eta_seconds(cfg, 41, 0.5, spent) == 59 * 0.5 + 3 * 3.0 + 3 * 10.0
     # at step 90 its own evaluation is still due (it runs after the log line), then 100's
     assert train.eta_seconds(cfg, 90, 0.5, spent) == 10 * 0.5 + 2 * 3.0 + 1 * 10.0
-    assert train.eta_seconds(cfg, 41, 0.5, {"eval_s": [], "ckpt_s": []}) == 59 * 0.5  # nothing timed yet
+    assert train.eta_seconds(cfg, 41, 0.5, {"eval_s": [], "bench_s": [], "ckpt_s": []}) == 59 * 0.5  # nothing timed
+    # benchmarks every 25 steps, 7 s each: after step 41 at 50, 75, 100
+    with_bench = {**cfg, "bench_interval": 25}
+    want = 59 * 0.5 + 3 * 3.0 + 3 * 7.0 + 3 * 10.0
+    assert train.eta_seconds(with_bench, 41, 0.5, {**spent, "bench_s": [7.0]}) == want
     rng = random.Random(0)
     for _ in range(500):  # the closed form against counting step by step
         last, interval = rng.randint(1, 60), rng.randint(1, 25)
