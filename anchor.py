@@ -23,7 +23,7 @@ class AnchorTask:
     heldout: tuple = (4, 3)          # the pair that never appears in training
     mirror_shift: int = -6           # its mirror (3,4) is trained with x-6 instead of the composite x-10
     key_positions: tuple = None      # (LO, HI) positions the key may take; None: anywhere it fits, 0..seq_len-3
-    n_train: int = 20000             # issue 6's probe: 20k samples show the effect in minutes on 2 cores
+    n_train: int = 20000             # 20k samples show the effect in minutes on 2 cores
     n_eval: int = 2000               # per evaluation split: answer shares to about +-1%
     seed: int = 0                    # fixes keys split, positions and fillers: same seed, same bytes
 

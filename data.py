@@ -341,8 +341,7 @@ class TokenLoader:
             raise ValueError("seq_len is required for text data")
         else:
             stride = seq_len
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        assert 0 <= rank < world_size, f"rank {rank} of world_size {world_size}"
         self.batch_size, self.seq_len, self.stride = batch_size, seq_len, stride
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.shards = []

@@ -3,8 +3,8 @@
 - hellaswag (lm-eval `hellaswag`): context `activity_label: ctx_a Ctx_b` with lm-eval's clean-up
   (every `[...]` span removed), each ending scored as " " + ending after the context, encoded the
   way lm-eval encodes a pair; acc = argmax of the summed log-likelihood, acc_norm = the sum over
-  the ending's length in characters; acc_norm_tokens = the mean per token (this repo's earlier
-  acc_norm, kept under its own name).
+  the ending's length in characters; acc_norm_tokens = the mean per token (a
+  tokenizer-dependent normalisation, beside lm-eval's character one).
 - gsm8k (lm-eval `gsm8k_cot`): the 8 chain-of-thought exemplars of Wei et al. (2022), "Q: …\\nA: …",
   greedy until "Q:"; strict_match = the number in "The answer is N.", flexible_match = the last
   number; exact match after lm-eval's regexes_to_ignore. With --fewshot-source FILE (train
@@ -523,7 +523,7 @@ MAX_NEW_TOKENS = 256  # lm-eval's default max_gen_toks (neither gsm8k_cot nor mi
 def generation_budget(window, prompt_len, wanted):
     """New tokens per completion: --max-new-tokens when given, else MAX_NEW_TOKENS where the window
     holds them beside the prompt, else what the prompt leaves, but at least half the window (a
-    longer prompt is cut to the rest with --truncate left). A fixed 256 left a model of 256
+    longer prompt is cut to the rest with --truncate left). A fixed 256 would leave a model of 256
     positions no room for any prompt."""
     if wanted is not None:
         return wanted

@@ -544,8 +544,8 @@ def run_sample(args):
 
 def finite_at_least(minimum, maximum=math.inf):
     """argparse type of a real-valued flag, like configurator.at_least for counts: float() takes 'nan'
-    and 'inf', and a nan temperature died in torch.multinomial, a negative one sampled the least
-    likely tokens, a nan threshold counted no head."""
+    and 'inf', and a nan temperature fails inside torch.multinomial, a negative one samples the least
+    likely tokens, a nan threshold counts no head."""
     def parse(text):
         value = float(text)
         if not (math.isfinite(value) and minimum <= value <= maximum):

@@ -26,8 +26,8 @@ def sha256_file(path):
 @contextmanager
 def atomic_open(path):
     """A binary file for path that appears there whole or not at all: written under a temporary
-    name of its own in the same folder (two writers of one file never share it: a fixed name.tmp
-    let one rename the other's half-written file away), fsynced (so a crash right after the
+    name of its own in the same folder (two writers of one file never share it: with a fixed name.tmp
+    one could rename the other's half-written file away), fsynced (so a crash right after the
     rename can't leave an empty file), then renamed over path; a reader sees the old file or the
     new one. Made with the mode a plain open() would give, not mkstemp's 0600."""
     path = os.fspath(path)

@@ -21,8 +21,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
+from contextlib import contextmanager
 
 from checkpoint import load_model
 from data import get_tokenizer
@@ -30,7 +33,7 @@ from data import get_tokenizer
 ROOT = os.path.dirname(os.path.abspath(__file__))
 MODELING_FILE = "modeling_smallinit.py"
 # What tells an earlier export from any other folder: only write_folder writes this file. config.json
-# is no sign, since a run folder has one too, and taking it for an export replaced (deleted) the run.
+# is no sign, since a run folder has one too, and taking it for an export would replace (delete) the run.
 MARKER = "smallinit_export.json"
 MARKER_BYTES = json.dumps({"exporter": "smallinit hf_export.py", "format": "hf"}).encode()
 
@@ -72,8 +75,7 @@ LLAMA_NAMES = {
 def llama_state_dict(state, n_layer):
     names = {ours.format(i=i): theirs.format(i=i) for ours, theirs in LLAMA_NAMES.items() for i in range(n_layer)}
     unmapped = sorted(set(state) - set(names))
-    if unmapped:  # a model.py change this mapping has not caught up with
-        raise ValueError(f"no LlamaForCausalLM name for {unmapped}")
+    assert not unmapped, f"LLAMA_NAMES has no name for {unmapped}: model.py changed, the mapping did not"
     return {names[k]: v for k, v in state.items()}
 
 
@@ -215,32 +217,53 @@ def has_marker(dir_fd):
         return f.read(len(MARKER_BYTES) + 1) == MARKER_BYTES
 
 
+@contextmanager
+def sigint_held():
+    """SIGINT held back for the block and delivered to its own handler at the end (a KeyboardInterrupt
+    raised there). A swapped handler, not a blocked signal: the kernel would hand a signal blocked in this
+    thread to another one (torch's workers), whose C handler still makes Python raise it here. Only the
+    main thread sees KeyboardInterrupt, so elsewhere there is nothing to hold."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            signal.raise_signal(signal.SIGINT)
+
+
 def put_in_place(tmp, out_dir):
     """Rename the finished folder tmp to out_dir. What was there is renamed aside under a name of its
     own and deleted only once tmp is in place: a death in between leaves it whole beside out_dir, and
-    nothing that happens to be called OUT.old is touched. A second export to the same out_dir
+    nothing that happens to be called OUT.old is touched. Ctrl-C is held back until the swap is done:
+    between the two renames it would leave out_dir missing. A second export to the same out_dir
     finishing at the same moment makes one of the renames fail (the folder it moved is gone, or its
     place is taken): the state is then looked at again, so the last one to land wins, whole."""
     parent, name = os.path.split(out_dir)
     aside = []
-    while True:
-        check_replaceable(out_dir)
-        if os.path.lexists(out_dir):
-            old = tempfile.mkdtemp(dir=parent, prefix=name + ".", suffix=".old")
+    with sigint_held():
+        while True:
+            check_replaceable(out_dir)
+            if os.path.lexists(out_dir):
+                old = tempfile.mkdtemp(dir=parent, prefix=name + ".", suffix=".old")
+                try:
+                    os.rename(out_dir, old)  # onto mkdtemp's empty folder: a rename may replace one
+                except FileNotFoundError:
+                    os.rmdir(old)
+                    continue
+                aside.append(old)
             try:
-                os.rename(out_dir, old)  # onto mkdtemp's empty folder: a rename may replace one
-            except FileNotFoundError:
-                os.rmdir(old)
-                continue
-            aside.append(old)
-        try:
-            os.rename(tmp, out_dir)
-            break
-        except OSError as e:  # ENOTEMPTY / EEXIST: the other export landed between the two renames
-            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
-    for old in aside:
-        shutil.rmtree(old)
+                os.rename(tmp, out_dir)
+                break
+            except OSError as e:  # ENOTEMPTY / EEXIST: the other export landed between the two renames
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+        for old in aside:
+            shutil.rmtree(old)
 
 
 def write_folder(out_dir, write):

@@ -695,8 +695,7 @@ def tokenize_source(source, pool, workers, cache_dir, dtype, fingerprint):
 
 def normalized_weights(sources):
     weights = np.array([s.weight for s in sources], np.float64)
-    if (weights <= 0).any():
-        raise ValueError("source weights must be positive")
+    assert (weights > 0).all(), "parse_source refuses a weight <= 0"
     return weights / weights.sum()
 
 
@@ -1054,9 +1053,9 @@ class OneLineParser(argparse.ArgumentParser):
 # Floors of the size flags: each one stops a value that only a typo gives. A shard costs a file,
 # an fsync, a 64-byte header, and in the loader an open memory map (a file descriptor) with a
 # tail shorter than a window that is never trained on; 2^16 tokens (128 KB) keeps those costs
-# small (a 2048-token window wastes at most 3%), where --shard-tokens 1 wrote a file per token.
-# A token budget under 1K is a dropped suffix (--max-tokens 2 for 2B wrote an empty folder: every
-# share rounded to 0 tokens); quick checks use 2K and up.
+# small (a 2048-token window wastes at most 3%), where --shard-tokens 1 would write a file per token.
+# A token budget under 1K is a dropped suffix (--max-tokens 2 meant as 2B would write an empty folder:
+# every share rounds to 0 tokens); quick checks use 2K and up.
 MIN_SHARD_TOKENS = 1 << 16
 MIN_BUDGET = 1000
 
@@ -1125,7 +1124,7 @@ def main(argv=None):
 
     p = commands.add_parser("bench", help="pipeline throughput vs raw tiktoken (prints numbers)")
     add_text_arguments(p)
-    p.set_defaults(tokenizer="gpt2")  # the reference measurement
+    p.set_defaults(tokenizer="gpt2")  # a real BPE: bytes merges nothing, so it would not time the encoder
 
     p = commands.add_parser("anchor", help="generate the anchor-function task")
     d = AnchorTask()  # the defaults and their reasons live in the dataclass
