@@ -30,16 +30,22 @@ def parse_value(text):
         return text
 
 
-def at_least(minimum):
-    """argparse type of a size or count flag: an int >= minimum, refused when the command line is
-    read (a batch size of 0 divides by zero later; a token budget of 0 reads a batch anyway)."""
-    def parse(text):
-        value = int(text)
+def at_least(minimum, parse=int):
+    """argparse type of a size or count flag: parse(text) >= minimum, refused when the command line
+    is read (a batch size of 0 divides by zero later; a token budget of 0 reads a batch anyway).
+    parse: int, or a parser of its own whose ValueError is the message (prepare_data's 2B counts)."""
+    def check(text):
+        try:
+            value = parse(text)
+        except ValueError as e:
+            if parse is int:
+                raise  # argparse's message: "invalid int value: 'x'"
+            raise argparse.ArgumentTypeError(str(e)) from None
         if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
+            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {text})")
         return value
-    parse.__name__ = "int"  # argparse's message for a non-number: "invalid int value: 'x'"
-    return parse
+    check.__name__ = parse.__name__
+    return check
 
 
 def check_type(key, value, default):

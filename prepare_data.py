@@ -40,6 +40,7 @@ from itertools import chain
 import numpy as np
 
 from anchor import ANCHOR_SHIFTS, PAIRS, AnchorTask, anchor_records, anchor_vocab, check_anchor_task
+from configurator import at_least
 from data import FORMAT_VERSION, HEADER, HEADER_BYTES, MAGIC, get_tokenizer, progress_bar, read_meta
 from fileio import atomic_open, atomic_write_bytes, naming
 
@@ -1016,20 +1017,6 @@ def parse_range(text):
 def parse_pair(text):
     a, _, b = text.partition(",")
     return int(a), int(b)
-
-
-def at_least(low, parse=int):
-    """An argparse type: parse(text), refused below `low` before anything runs (--shard-tokens 0
-    would loop forever filling a shard of no tokens)."""
-    def check(text):
-        try:
-            value = parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer" if parse is int else str(e)) from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"got {text}, need {low} or more")
-        return value
-    return check
 
 
 def fraction(text):

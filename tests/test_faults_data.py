@@ -293,9 +293,9 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_no_temporary_file(tmp_path, caps
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--shard-tokens", "1"], "argument --shard-tokens: got 1, need 65536 or more"),  # a file per token before
-    (["--shard-tokens", "65535"], "argument --shard-tokens: got 65535, need 65536 or more"),
-    (["--max-tokens", "2"], "argument --max-tokens: got 2, need 1000 or more"),  # 2B without its B: an empty folder
+    (["--shard-tokens", "1"], "argument --shard-tokens: must be >= 65536 (got 1)"),  # a file per token before
+    (["--shard-tokens", "65535"], "argument --shard-tokens: must be >= 65536 (got 65535)"),
+    (["--max-tokens", "2"], "argument --max-tokens: must be >= 1000 (got 2)"),  # 2B without its B: an empty folder
 ])
 def test_size_flags_below_a_usable_size_are_refused(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as e:

@@ -974,13 +974,13 @@ def test_bench_command_runs_and_reports(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--shard-tokens", "0"], "argument --shard-tokens: got 0, need 65536 or more"),  # looped forever before
-    (["--max-tokens", "0.4"], "argument --max-tokens: got 0.4, need 1000 or more"),
+    (["--shard-tokens", "0"], "argument --shard-tokens: must be >= 65536 (got 0)"),  # looped forever before
+    (["--max-tokens", "0.4"], "argument --max-tokens: must be >= 1000 (got 0.4)"),
     (["--max-tokens", "inf"], "argument --max-tokens: bad token count 'inf'"),
-    (["--workers", "0"], "argument --workers: got 0, need 1 or more"),
+    (["--workers", "0"], "argument --workers: must be >= 1 (got 0)"),
     (["--val-fraction", "1"], "argument --val-fraction: '1' is not a fraction in [0, 1)"),
     (["--val-fraction", "-0.1"], "argument --val-fraction: '-0.1' is not a fraction in [0, 1)"),
-    (["--seed", "-1"], "argument --seed: got -1, need 0 or more"),
+    (["--seed", "-1"], "argument --seed: must be >= 0 (got -1)"),
     (["--source", "b=none.txt,max_tokens=0"], "max_tokens must be >= 1000"),  # 0 read as "no cap" before
     (["--source", "b=none.txt,weight=0"], "weight must be a positive number"),
     (["--source", "b=none.txt,weight=nan"], "weight must be a positive number"),
@@ -994,10 +994,10 @@ def test_sizes_and_counts_are_checked_before_anything_runs(tmp_path, capsys, arg
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("argv, message", [(["--n-train", "0"], "argument --n-train: got 0, need 1 or more"),
-                                           (["--n-eval", "0"], "argument --n-eval: got 0, need 1 or more"),
-                                           (["--seq-len", "2"], "argument --seq-len: got 2, need 3 or more"),
-                                           (["--seed", "-3"], "argument --seed: got -3, need 0 or more")])
+@pytest.mark.parametrize("argv, message", [(["--n-train", "0"], "argument --n-train: must be >= 1 (got 0)"),
+                                           (["--n-eval", "0"], "argument --n-eval: must be >= 1 (got 0)"),
+                                           (["--seq-len", "2"], "argument --seq-len: must be >= 3 (got 2)"),
+                                           (["--seed", "-3"], "argument --seed: must be >= 0 (got -3)")])
 def test_anchor_sizes_are_checked_by_the_parser(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         P.main(["anchor", "--out", str(tmp_path / "a"), *argv])
