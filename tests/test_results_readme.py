@@ -134,6 +134,7 @@ KNOWN = {
     # The confirmation table: confirm.md's prediction and its exploration numbers for claim 7,
     # s = inferential − symmetric share by seed of anchor_ablate.json's recipe and baseline.
     "0.04": "claim 1's prediction in confirm.md (+0.01 to +0.04)",
+    "0.06": "claim 9's prediction in confirm_wide.md (+0.01 to +0.06)",
     "0.41": "confirm.md's misrounding of recipe seed 1's s (0.4380 − 0.0335 = 0.4045), quoted as such",
     "0.46": "recipe seed 2: 0.4790 − 0.0165 = 0.4625",
     "0.48": "baseline seed 1: 0.0520 − 0.5325 = −0.4805",
