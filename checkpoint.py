@@ -922,10 +922,11 @@ def load_model(path, device="cpu", attn_backend=None, verify=True):
 
 
 def export(ckpt_dir, out_file):
-    """DCP folder -> one torch.save file with the full fp32 model; no process group needed."""
-    if not os.path.isfile(os.path.join(ckpt_dir, "meta.json")):
-        raise ValueError(f"export: {ckpt_dir} is not a complete checkpoint folder (no meta.json); "
-                         f"pass an out_dir/ckpt_XXXXXXXX folder")
+    """DCP folder -> one torch.save file with the full fp32 model; no process group needed. A run
+    folder gives its newest intact checkpoint (load_model's chooser, as eval and the HF export)."""
+    if not os.path.isdir(ckpt_dir):
+        raise ValueError(f"export: {ckpt_dir} is not a complete checkpoint folder nor a run folder; pass an "
+                         f"out_dir/ckpt_XXXXXXXX folder or its run folder")
     net, info = load_model(ckpt_dir)  # the one loading path: one process reads every shard
     payload = {"model": net.state_dict(), **{k: info[k] for k in ("model_config", "config", "step", "data_meta",
                                                                  "code_version") if k in info}}

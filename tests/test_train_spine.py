@@ -176,3 +176,16 @@ def test_ctrl_c_during_an_export_is_one_line_and_keeps_the_earlier_export(ckpt, 
                                                       f"nothing is half-written, the same command exports again"), err
     assert "exported" not in stdout
     assert tree(exports) == before  # the earlier export byte for byte, and no temporary file or folder beside it
+
+
+def test_pt_export_of_a_run_folder_is_its_newest_intact_checkpoint(ckpt, tmp_path):
+    """README: export given a run folder takes its newest intact checkpoint (it was refused: "not a
+    complete checkpoint folder"). Reference: the export of that checkpoint folder itself."""
+    run = os.path.dirname(ckpt)
+    checkpoint.export(ckpt, str(tmp_path / "ckpt.pt"))
+    p = subprocess.run([sys.executable, "train.py", "export", run, str(tmp_path / "run.pt")], cwd=ROOT,
+                       capture_output=True, text=True, env=launch_env(), timeout=300)
+    assert p.returncode == 0, p.stderr
+    want, got = (torch.load(tmp_path / n, weights_only=True) for n in ("ckpt.pt", "run.pt"))
+    assert got["step"] == want["step"] and got["model"].keys() == want["model"].keys()
+    assert all(torch.equal(got["model"][k], want["model"][k]) for k in want["model"])
