@@ -19,8 +19,9 @@ def study_workspace(tmp_path, corpus):
     """repo/ with what the data section runs, and shared/data/corpus beside it as `corpus` gives it."""
     repo = tmp_path / "repo"
     (repo / "results").mkdir(parents=True)
-    for name in ("prepare_data.py", "data.py", "anchor.py", "fileio.py", "results/cpu_lm.sh", "results/data_check.py",
-                 "results/data.json"):
+    # Every top-level module, so that a new import in prepare_data.py's chain cannot break the copy.
+    modules = [name for name in os.listdir(ROOT) if name.endswith(".py")]
+    for name in modules + ["results/cpu_lm.sh", "results/data_check.py", "results/data.json"]:
         shutil.copy(os.path.join(ROOT, name), repo / name)
     (tmp_path / "shared" / "data").mkdir(parents=True)
     corpus(tmp_path / "shared" / "data" / "corpus")
