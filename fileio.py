@@ -140,6 +140,16 @@ def write_json(path, obj):
     atomic_write_bytes(path, [json.dumps(json_safe(obj), indent=1, allow_nan=False).encode()])
 
 
+def parse_json(text):
+    """json.loads whose every failure on bad text is a ValueError, as a reader's one-line error
+    catches it: the decoder recurses once per nesting level, so a crafted line of 100k '[' would
+    otherwise raise RecursionError past every `except ValueError`."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested deeper than a JSON reader follows") from None
+
+
 def read_json(path):
-    with open(path) as f:
-        return json.load(f)
+    with open(path, "rb") as f:
+        return parse_json(f.read())

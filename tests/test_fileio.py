@@ -76,3 +76,18 @@ def test_open_nofollow_refuses_a_link_and_leaves_its_target(tmp_path):
     assert target.read_bytes() == b"keep me"
     os.close(open_nofollow(tmp_path / "plain.lock"))  # a plain name is created as before
     assert (tmp_path / "plain.lock").is_file()
+
+
+def test_json_nested_past_the_parser_is_a_value_error(tmp_path):
+    """Every reader catches ValueError for a bad JSON file; a crafted 100k-deep one raised RecursionError."""
+    from fileio import parse_json, read_json
+    deep = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "deep.json").write_text(deep)
+    for read in (lambda: parse_json(deep), lambda: read_json(tmp_path / "deep.json")):
+        try:
+            read()
+        except ValueError as e:
+            assert "nested deeper" in str(e)
+        else:
+            raise AssertionError("a 100k-deep JSON text was parsed")
+    assert parse_json(b'{"a": [1, 2.5]}') == {"a": [1, 2.5]}
