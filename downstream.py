@@ -25,8 +25,10 @@ lm-eval does silently, and the summary counts how many items were cut.
 route to running lm-eval itself on these benchmarks. open_training_bench runs the hellaswag and
 anchor scorers inside train.py every bench_interval steps.
 """
+import argparse
 import bz2
 import json
+import math
 import os
 import re
 import time
@@ -40,7 +42,7 @@ from anchor import ANCHOR_SHIFTS, anchor_accuracy, anchor_answer_kinds, anchor_f
 from checkpoint import load_model
 from configurator import at_least
 from data import check_model_vocab, get_tokenizer, load_meta, progress_bar, read_records
-from fileio import atomic_write_bytes
+from fileio import atomic_write_bytes, parse_json
 from model import GPT, generate
 
 # ----------------------------------------------------------------------------- a checkpoint's data and tokenizer
@@ -99,12 +101,51 @@ def load_hub(task, *names, split):
                          f"--source <local {LOCAL_COPIES[task]}> (the offline data kit has one)") from None
 
 
-def read_jsonl(path):
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+def read_jsonl(path, opener=open):
+    """The records of a JSON-lines file (opener: bz2.open for a compressed one); a line that is not
+    JSON, not UTF-8 or nested past the decoder is a ValueError naming the file and the line."""
+    with opener(path, "rb") as f:
+        lines = f.read().splitlines()
+    records = []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                records.append(parse_json(line))
+            except ValueError as e:
+                raise ValueError(f"{path}: line {n} is not a JSON record ({e})") from None
+    return records
 
 
-def fit_prompt(tokens, room, what, truncate, fix="fewer shots, fewer new tokens or a longer-context model"):
+# The fields each benchmark reads of its records (the published layouts; lm-eval's tasks read the
+# same), with what each must hold: another benchmark's file (GSM8K's test.jsonl as --task hellaswag)
+# is named before an item is scored or a task is written, not a KeyError in the middle of one.
+TEXT = (lambda v: isinstance(v, str), "a text")
+RECORD_FIELDS = {
+    "hellaswag": {"activity_label": TEXT, "ctx_a": TEXT, "ctx_b": TEXT,
+                  "endings": (lambda v: isinstance(v, list) and v and all(isinstance(e, str) for e in v),
+                              "a list of texts"),
+                  # an int in the published jsonl, a digit string on the hub and in the text format
+                  "label": (lambda v: type(v) is int or isinstance(v, str) and v.isdigit(), "an ending's index")},
+    "gsm8k": {"question": TEXT, "answer": TEXT},
+    "math500": {"problem": TEXT, "solution": TEXT, "answer": TEXT},
+}
+
+
+def check_records(records, task, source):
+    fix = (f"not a {task} file: pass {task}'s own file in its published format (e.g. {task}/{LOCAL_COPIES[task]} "
+           "of the offline data kit)")
+    for n, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise ValueError(f"{source}: record {n} is not a JSON object; {fix}")
+        for field, (ok, what) in RECORD_FIELDS[task].items():
+            if field not in record:
+                raise ValueError(f"{source}: record {n} has no {field!r} field; {fix}")
+            if not ok(record[field]):
+                raise ValueError(f"{source}: record {n}'s {field!r} is not {what}; {fix}")
+    return records
+
+
+def fit_prompt(tokens, room, what, truncate):
     """tokens, or their newest `room` with --truncate left; (tokens, cut?). Too long without it:
     the error names the sizes and the fixes."""
     if room < 1:
@@ -114,7 +155,8 @@ def fit_prompt(tokens, room, what, truncate, fix="fewer shots, fewer new tokens 
         return tokens, False
     if truncate != "left":
         raise ValueError(f"{what} is {len(tokens)} tokens but the model takes {room}: pass --truncate left to cut its "
-                         f"oldest tokens (counted in the output), or use {fix}")
+                         "oldest tokens (counted in the output), or use fewer shots, fewer new tokens or a "
+                         "longer-context model")
     return tokens[-room:], True
 
 
@@ -162,9 +204,9 @@ def hellaswag_records(source):
     if source == "hub":
         return load_hub("hellaswag", "Rowan/hellaswag", split="validation"), "exact (ctx_a, ctx_b from the records)"
     opener = bz2.open if source.endswith(".bz2") else open
+    if ".jsonl" in source:
+        return read_jsonl(source, opener), "exact (ctx_a, ctx_b from the records)"
     with opener(source, "rt", encoding="utf-8") as f:
-        if ".jsonl" in source:
-            return [json.loads(line) for line in f if line.strip()], "exact (ctx_a, ctx_b from the records)"
         lines = f.read().rstrip("\n").split("\n")
     if len(lines) % 6:
         raise ValueError(f"{source}: {len(lines)} lines is not a multiple of 6; expected the HellaSwag "
@@ -180,6 +222,7 @@ def hellaswag_records(source):
 def read_hellaswag(source):
     """(items {ctx, endings, label}, how the context was built): hellaswag_records as scored."""
     records, how = hellaswag_records(source)
+    check_records(records, "hellaswag", source)
     return [hellaswag_item(r["activity_label"], r["ctx_a"], r["ctx_b"], r["endings"], r["label"]) for r in records], how
 
 
@@ -214,20 +257,33 @@ def hellaswag_tokens(encode, item):
     return pairs[0][0], [c for _, c in pairs]
 
 
+def hellaswag_fit(context, endings, max_seq_len, truncate):
+    """(positions the item needs, whether a model of max_seq_len has them): the one rule of
+    hellaswag_scores and of train.py's bench check. Its longest ending after the whole context, or
+    with truncate (left) after at least one context token, the one the ending's first token is
+    predicted from; the model scores max_seq_len + 1 positions (the last token is only a target)."""
+    need = max(map(len, endings)) + (1 if truncate else len(context))
+    return need, need <= max_seq_len + 1
+
+
 def hellaswag_scores(model, encode, items, truncate=None, progress=True):
     """(summary {acc, acc_norm, acc_norm_tokens, truncated}, per item rows)."""
-    window = model.cfg.max_seq_len + 1  # the last token is only a target
+    max_len = model.cfg.max_seq_len
     rows, truncated = [], 0
     for n, item in enumerate(progress_bar(items, desc="hellaswag", disable=not progress)):
         context, endings = hellaswag_tokens(encode, item)
-        longest = max(map(len, endings))
-        if longest >= window:
-            raise ValueError(f"hellaswag item {n}: an ending of {longest} tokens leaves no context in the model's "
-                             f"{window - 1}-token window; use a longer-context model")
-        context, cut = fit_prompt(context, window - longest, f"hellaswag item {n}'s context (beside its longest "
-                                  f"ending, {longest} tokens, in the {window - 1}-token window)", truncate,
-                                  "a longer-context model")
-        truncated += cut
+        need, fits = hellaswag_fit(context, endings, max_len, truncate)
+        if not fits and truncate:
+            raise ValueError(f"hellaswag item {n}: its longest ending, {need - 1} tokens, leaves no context token in "
+                             f"the model's {max_len}-token window (it scores {max_len + 1} positions); use a "
+                             "longer-context model")
+        if not fits:
+            raise ValueError(f"hellaswag item {n}'s context and longest ending are {need} tokens, past the model's "
+                             f"{max_len}-token window (it scores {max_len + 1} positions): pass --truncate left to cut "
+                             "the context's oldest tokens (counted in the output), or use a longer-context model")
+        room = max_len + 1 - max(map(len, endings))  # the context's newest tokens beside the longest ending
+        truncated += len(context) > room
+        context = context[-room:]
         sums, counts = continuation_logprobs(model, context, endings)
         chars = [len(e) for e in item["endings"]]
         rows.append({"label": item["label"], "pick": int(np.argmax(sums)),
@@ -308,7 +364,7 @@ def gsm8k_convention(fewshot_source, shots):
                 "strict": r"The answer is (\-?[0-9\.\,]+)."}
     check_source(fewshot_source, "gsm8k")
     shots = 5 if shots is None else shots
-    records = read_jsonl(fewshot_source)[:shots]
+    records = check_records(read_jsonl(fewshot_source), "gsm8k", fewshot_source)[:shots]
     if len(records) < shots:
         raise ValueError(f"--fewshot-source {fewshot_source} holds {len(records)} records, fewer than --shots {shots}")
     return {"name": f"lm-eval gsm8k: the first {shots} records of {os.path.basename(fewshot_source)} as exemplars "
@@ -480,6 +536,7 @@ def read_math_records(source, task):
         records = load_hub(task, *names, split="test")
     else:
         records = read_jsonl(source)
+    check_records(records, task, source)
     if task == "gsm8k":
         return [{"question": r["question"], "solution": r["answer"], "reference": r["answer"].split("####")[-1].strip()}
                 for r in records]
@@ -703,8 +760,13 @@ def lm_eval_task(task, source, folder, limit=None):
     else:
         check_source(source, task)
         records = read_jsonl(source)
-    os.makedirs(folder, exist_ok=True)
+    check_records(records, task, source)  # lm-eval would fail on the task only when it is run
     data, yaml = (os.path.join(os.path.abspath(folder), name + ext) for ext in (".jsonl", ".yaml"))
+    # Read whole and written anew: --source the task's own data file would be replaced by its first --limit records.
+    if any(os.path.exists(path) and os.path.samefile(path, source) for path in (data, yaml)):
+        raise ValueError(f"--source {source} is the file lm-eval-task writes in --out-dir {folder}: pass the "
+                         "published file, or another --out-dir")
+    os.makedirs(folder, exist_ok=True)
     atomic_write_bytes(data, [json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in records[:limit]])
     # Paths as JSON strings: valid YAML double-quoted scalars whatever characters a path holds.
     # The data file is absolute: lm-eval resolves data_files against its working directory. No
@@ -823,7 +885,7 @@ def hellaswag_bench(source, limit, data_dir, meta, model_cfg, truncate, tokenize
         raise ValueError(f"config: bench_source={source!r}: no such file; pass a HellaSwag file ({kit})")
     try:
         items = read_hellaswag(source)[0][:limit]
-    except (OSError, EOFError, ValueError, KeyError, TypeError) as e:  # bz2, JSON, UTF-8 or layout errors
+    except (OSError, EOFError, ValueError) as e:  # bz2, JSON, UTF-8 or layout (check_records) errors
         raise ValueError(f"config: bench_source={source!r} is not a HellaSwag file ({type(e).__name__}: {e}); "
                          f"pass {kit}") from None
     if not items:
@@ -834,12 +896,8 @@ def hellaswag_bench(source, limit, data_dir, meta, model_cfg, truncate, tokenize
         raise ValueError(f"config: bench_task='hellaswag' needs data_dir's tokenizer {meta['tokenizer']!r}: {e} "
                          f"(train.py's --tokenizer-dir is bench_tokenizer_dir)") from None
     for n, item in enumerate(items):
-        context, endings = hellaswag_tokens(encode, item)
-        # hellaswag_scores' rule: the context beside the longest ending in max_seq_len + 1 tokens
-        # (the last token is only a target); cut from the left, at least one context token.
-        longest = max(map(len, endings))
-        need = longest + (1 if truncate else len(context))
-        if need > model_cfg.max_seq_len + 1:
+        need, fits = hellaswag_fit(*hellaswag_tokens(encode, item), model_cfg.max_seq_len, truncate)
+        if not fits:
             fixes = ["bench_truncate='left' (its oldest context tokens cut, counted)"] if not truncate else []
             fixes += [f"bench_limit={n} (the items before it fit)"] if n else []
             raise ValueError(f"config: bench_task='hellaswag': item {n} of {source} needs {need} tokens (its longest "
@@ -850,6 +908,25 @@ def hellaswag_bench(source, limit, data_dir, meta, model_cfg, truncate, tokenize
 
 
 # ----------------------------------------------------------------------------- command line (eval.py bench)
+
+# Below this a sampling temperature is refused: logits / T overflow float32 (1e-300 is 0 in float32,
+# giving inf and nan), while a sample at 1e-5 is already the greedy token unless two logits lie
+# within about 1e-4 of each other; 0 is greedy decoding itself.
+MIN_TEMPERATURE = 1e-5
+
+
+def temperature(text):
+    """argparse type of --temperature (bench, eval.py sample): 0 or a finite T >= MIN_TEMPERATURE. float()
+    takes 'nan' and 'inf' (nan fails in torch.multinomial) and a negative T samples the least likely tokens."""
+    value = float(text)
+    if not (value == 0 or MIN_TEMPERATURE <= value < math.inf):
+        raise argparse.ArgumentTypeError(f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} "
+                                         f"(got {text})")
+    return value
+
+
+temperature.__name__ = "float"  # argparse's message for a non-number: "invalid float value: 'x'"
+
 
 def add_arguments(p):
     """The options of `eval.py bench` (its parser gives ckpt, --device, --seed, --json-out, --data)."""
@@ -869,7 +946,7 @@ def add_arguments(p):
     p.add_argument("--max-new-tokens", type=at_least(1), default=None,
                    help=f"gsm8k/math500: tokens per completion, at most (default: {MAX_NEW_TOKENS} where the model's "
                    "window holds them beside the prompt, else what the prompt leaves, at least half the window)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--temperature", type=temperature, default=0.0, help=f"0 = greedy, else >= {MIN_TEMPERATURE:g}")
     p.add_argument("--top-k", type=at_least(1), default=None, help="sample from the k most likely tokens only "
                    "(default: all)")
     p.add_argument("--num-samples", type=at_least(1), default=1, help=">1: mean accuracy and majority vote")

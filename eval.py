@@ -36,24 +36,61 @@ import report
 from checkpoint import find_checkpoints, load_model
 from configurator import at_least
 from data import TokenLoader, load_meta, progress_bar
-from downstream import check_data_fits, data_dir_of, tokenizer_of
+from downstream import check_data_fits, data_dir_of, temperature, tokenizer_of
 from analysis import capture_attention, cosine_stats, row_cosines, stable_rank, token_logprobs, trace_residual
-from fileio import write_json
+from fileio import open_regular, write_json
 from model import GPT, config_for, document_ids, generate, init_model_
-from report import format_table, pyplot, save_figure
+from report import format_table, pyplot, read_result, save_figure
+from train import GAMMA_MAX
 
 
 # ----------------------------------------------------------------------------- output paths
 
-# The flags that name a file eval.py writes (report's --plot-x plots go beside its inputs).
-OUTPUT_FLAGS = {"json_out": "--json-out", "plot": "--plot", "heatmap": "--heatmap", "out": "--out",
-                "plot_together": "--plot-together"}
+def is_result(path):
+    try:
+        return read_result(path)[1] is None
+    except OSError:  # a FIFO (not opened), unreadable
+        return False
 
 
-def check_output(path, flag):
+def starts_with(*heads):
+    """A test of whether a path is a plain file beginning with one of heads."""
+    def test(path):
+        try:
+            fd = open_regular(path)  # a FIFO is refused, not waited on
+        except OSError:
+            return False
+        with os.fdopen(fd, "rb") as f:
+            return f.read(max(map(len, heads))).startswith(heads)
+    return test
+
+
+# The flags that name a file eval.py writes (report's --plot-x plots go beside its inputs), each with
+# the kind of file it writes and how an existing one is recognised: only such a file is replaced, so a
+# slip (--json-out RUN/ckpt_00001000/meta.json, --plot onto a data shard) destroys nothing.
+is_png = starts_with(b"\x89PNG\r\n\x1a\n")
+OUTPUT_FLAGS = {"json_out": ("--json-out", "an eval.py or sweep.py result JSON", is_result),
+                "plot": ("--plot", "a PNG", is_png), "heatmap": ("--heatmap", "a PNG", is_png),
+                "plot_together": ("--plot-together", "a PNG", is_png),
+                # every report's first line is a section title or, with --plot-together, the plot
+                "out": ("--out", "an eval.py report", starts_with(b"### ", b"!["))}
+# What the commands read, by argparse dest; --pair takes FILE.json:ARM[:KEY=VALUE...] selectors.
+INPUTS = ("ckpt", "ckpt_a", "ckpt_b", "ckpts", "data", "source", "fewshot_source", "tokenizer_dir", "baseline",
+          "compare", "results")
+
+
+def input_paths(args):
+    values = [getattr(args, dest, None) for dest in INPUTS]
+    paths = [v for value in values for v in (value if isinstance(value, list) else [value]) if v]
+    return paths + [selector.split(":")[0] for pair in getattr(args, "pair", []) for selector in pair]
+
+
+def check_output(path, dest, inputs):
     """Refuse an output path that cannot be written when the command line is read, not after an
     analysis of minutes: an existing folder, a file where a folder must be, or a folder this user
-    cannot write in (missing folders are fine: they are made)."""
+    cannot write in (missing folders are fine: they are made); a file the command reads (the results
+    JSON a report or a scaling fit reads, a checkpoint's file), or an existing file of another kind."""
+    flag, kind, recognised = OUTPUT_FLAGS[dest]
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path} is a folder: give a file path, e.g. {os.path.join(path, 'result.json')}")
     parent = os.path.dirname(os.path.abspath(path))
@@ -64,6 +101,40 @@ def check_output(path, flag):
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {path}: {parent} is not writable (permissions or a read-only file system): "
                          "choose a folder you can write in")
+    if not os.path.exists(path):
+        return
+    for source in inputs:
+        if os.path.exists(source) and os.path.samefile(path, source):
+            raise ValueError(f"{flag} {path} is also an input of this command ({source}): the output would replace "
+                             "it; choose another path")
+    if not recognised(path):
+        raise ValueError(f"{flag} {path} exists and is not {kind}: it is not replaced; choose another path "
+                         "(or remove the file)")
+
+
+# ----------------------------------------------------------------------------- devices
+
+def usable_devices():
+    """The devices an analysis can run on here, as --device names them."""
+    cuda = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    return ["cpu", *cuda, *(["mps"] if torch.backends.mps.is_available() else [])]
+
+
+def check_device(name):
+    """Refuse a --device nothing can run on before a checkpoint is read: a typo or 'cuda' on a
+    machine without one ended in a traceback from deep in the loading, and 'meta' (tensors with
+    shapes but no values) as if the checkpoint were damaged."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        problem = "is not a torch device"
+    else:
+        count = {"cuda": torch.cuda.device_count(), "mps": int(torch.backends.mps.is_available())}
+        if device.type == "cpu" or (device.index or 0) < count.get(device.type, 0):
+            return
+        problem = ("holds shapes, not values: nothing can be computed on it" if device.type == "meta"
+                   else "is not on this machine")
+    raise ValueError(f"--device {name} {problem}; available here: {', '.join(usable_devices())}")
 
 
 # ----------------------------------------------------------------------------- memory of a request
@@ -480,6 +551,12 @@ def meta_model(cfg):
 
 
 def run_residual(args):
+    if args.ckpt is None and not args.init:
+        raise ValueError("residual needs a checkpoint (eval.py residual CKPT --data DIR) or --init (fresh models "
+                         "across --widths): give one of them")
+    if args.ckpt is not None and args.init:
+        raise ValueError(f"residual --init measures fresh models, not {args.ckpt}: drop --init to measure the "
+                         "checkpoint, or the checkpoint to measure fresh models")
     if not args.init:
         (model,), _, _, seq_len, batches = models_and_batches(args, [args.ckpt], "residual")
         rows = branch_ratios(model, (x for x, _, _ in batches))
@@ -544,8 +621,8 @@ def run_sample(args):
 
 def finite_at_least(minimum, maximum=math.inf):
     """argparse type of a real-valued flag, like configurator.at_least for counts: float() takes 'nan'
-    and 'inf', and a nan temperature fails inside torch.multinomial, a negative one samples the least
-    likely tokens, a nan threshold counts no head."""
+    and 'inf', and a nan threshold counts no head, a γ of 50 underflows the weights to 0 (--temperature:
+    downstream.temperature)."""
     def parse(text):
         value = float(text)
         if not (math.isfinite(value) and minimum <= value <= maximum):
@@ -612,7 +689,8 @@ def build_parser():
     p.add_argument("--widths", type=at_least(1), nargs="+", default=[64, 128, 256, 512],
                    help="--init: d_model of each model")
     p.add_argument("--size", default="tiny", help="--init: the named size (model.SIZES) the widths override")
-    p.add_argument("--gamma", type=finite_at_least(0), default=1.0, help="--init: init exponent, std = d_in^-gamma")
+    p.add_argument("--gamma", type=finite_at_least(0, GAMMA_MAX), default=1.0,
+                   help=f"--init: init exponent, std = d_in^-gamma, at most {GAMMA_MAX:g} (as train.py)")
     p.add_argument("--mlp", default="gelu", help="--init: swiglu or gelu")
     p.add_argument("--attn-gate", default="none", help="--init: elementwise, headwise or none")
     # The benchmarks' code and options live in downstream.py; bench is a subcommand here for the one CLI.
@@ -660,7 +738,8 @@ def build_parser():
                    help="text the continuations start from ('': a document from its start, after end-of-text)")
     p.add_argument("--max-new-tokens", type=at_least(1), default=100, help="tokens per continuation, at most")
     p.add_argument("--num-samples", type=at_least(1), default=1, help="continuations to print")
-    p.add_argument("--temperature", type=finite_at_least(0), default=0.8, help="0 = greedy")
+    p.add_argument("--temperature", type=temperature, default=0.8,
+                   help=f"0 = greedy, else >= {downstream.MIN_TEMPERATURE:g}")
     p.add_argument("--top-k", type=at_least(1), default=200, help="sample from the k most likely tokens only")
     return parser
 
@@ -682,9 +761,12 @@ def main(argv=None):
 
 
 def run_command(args):
-    for dest, flag in OUTPUT_FLAGS.items():
+    if getattr(args, "device", None) is not None:
+        check_device(args.device)
+    inputs = input_paths(args)
+    for dest in OUTPUT_FLAGS:
         if getattr(args, dest, None):
-            check_output(getattr(args, dest), flag)
+            check_output(getattr(args, dest), dest, inputs)
     result = args.func(args)
     if result is None:
         return None

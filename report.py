@@ -19,7 +19,7 @@ import sys
 import numpy as np
 
 from configurator import parse_value
-from fileio import atomic_write_bytes
+from fileio import atomic_write_bytes, open_regular, parse_json
 from model import config_for
 
 
@@ -149,32 +149,40 @@ def effective_size(loss, fit):
     return n_eff, n_eff * math.sqrt(grad @ np.asarray(fit["cov"]) @ grad)
 
 
+def is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def params_of(summary, count, name):
     """N of a loss result: total, active (MoE experts at top_k/E) or nonembedding = total minus
     the input embedding (Kaplan et al.), which keeps a 50k-100k-row table from dominating small
     models' N and bending α."""
-    if "params_total" not in summary:
-        raise ValueError(f"{name}: no params_* in its summary; pass loss JSONs from `eval.py loss --json-out`")
+    needed = ("params_total", "params_embedding") if count == "nonembedding" else (f"params_{count}",)
+    if not all(is_number(summary.get(key)) for key in needed):
+        raise ValueError(f"{name}: no {' and '.join(needed)} in its summary; pass loss JSONs from "
+                         "`eval.py loss --json-out`")
     if count == "nonembedding":
         return summary["params_total"] - summary["params_embedding"]
     return summary[f"params_{count}"]
 
 
 def run_scaling(args):
-    def points(specs):
+    def points(specs, flag):
         out = []
         for spec in specs:
             if "=" in spec:  # literal N=loss, e.g. 1.5e9=2.41
                 n, loss = spec.split("=")
                 out.append({"name": spec, "params": float(n), "loss": float(loss)})
             else:
-                with open(spec) as f:
-                    summary = json.load(f)["summary"]
+                fix = "pass loss JSONs from `eval.py loss --json-out` (or N=loss)"
+                summary = result_of(spec, flag, "loss", fix)["summary"]
+                if not is_number(summary.get("loss")):  # a diverged run's is null
+                    raise ValueError(f"{flag} {spec}: no finite loss in its summary; {fix}")
                 out.append({"name": spec, "params": float(params_of(summary, args.count, spec)),
                             "loss": summary["loss"]})
         return out
 
-    base, compare = points(args.baseline), points(args.compare)
+    base, compare = points(args.baseline, "--baseline"), points(args.compare, "--compare")
     fit = fit_power_law([p["params"] for p in base], [p["loss"] for p in base])
     rows = [{**p, "role": "baseline", "fit_loss": fit["a"] * p["params"] ** -fit["alpha"] + fit["c"]} for p in base]
     for p in compare:
@@ -308,8 +316,8 @@ def sweep_rows(selector):
     """FILE.json:ARM[:KEY=VALUE...] -> the rows of that arm (at those grid settings) in that sweep,
     one per seed."""
     path, arm, *settings = selector.split(":")
-    with open(path) as f:
-        rows = [r for r in json.load(f)["rows"] if r["arm"] == arm]
+    sweep = result_of(path, "--pair", "sweep", "write FILE.json:ARM[:KEY=VALUE...] with a sweep.py results file")
+    rows = [r for r in sweep["rows"] if r["arm"] == arm]
     for setting in settings:
         key, _, value = setting.partition("=")
         rows = [r for r in rows if key in r["setting"] and r["setting"][key] == parse_value(value)]  # 1e-2 == 0.01
@@ -502,12 +510,14 @@ def sweep_plots(result, stem, args):
 
 
 def read_result(path):
-    """(result, None) for an eval.py --json-out or sweep.py result file, else (None, why not)."""
-    with open(path, "rb") as f:  # a missing file is an error (a typo), not a skip
+    """(result, None) for an eval.py --json-out or sweep.py result file, else (None, why not). A file
+    that cannot be opened is an OSError: a missing one (a typo) is not a skip, and a FIFO is refused
+    (fileio.NotOwnFile), not waited on forever."""
+    with os.fdopen(open_regular(path), "rb") as f:
         text = f.read()
     try:
-        result = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        result = parse_json(text)
+    except ValueError as e:  # not UTF-8, not JSON, nested past the decoder
         return None, f"not JSON ({e})"
     if not (isinstance(result, dict) and isinstance(result.get("analysis"), str)
             and isinstance(result.get("summary"), dict)):
@@ -515,6 +525,20 @@ def read_result(path):
     if result["analysis"] == "sweep" and not isinstance(result.get("rows"), list):
         return None, "a sweep result without its 'rows'"
     return result, None
+
+
+def result_of(path, flag, analysis, fix):
+    """The `analysis` result in path (scaling's loss JSONs, --pair's sweeps), else a ValueError naming
+    flag, path, what it is instead and fix."""
+    try:
+        result, why = read_result(path)
+    except OSError as e:  # missing, a FIFO (not opened), unreadable
+        result, why = None, e.strerror or str(e)
+    if result and result["analysis"] != analysis:
+        why = f"a {result['analysis']} result, not a {analysis} result"
+    if why:
+        raise ValueError(f"{flag} {path}: {why}; {fix}")
+    return result
 
 
 def run_report(args):

@@ -219,7 +219,8 @@ BAD = {
     "not bz2": (("hellaswag", "junk.bz2", 10, "text", 128), ["is not a HellaSwag file (OSError"]),
     "cut bz2": (("hellaswag", "cut.bz2", 10, "text", 128), ["is not a HellaSwag file (EOFError"]),
     "empty jsonl": (("hellaswag", "empty.jsonl", 10, "text", 128), ["holds no HellaSwag items"]),
-    "jsonl of others": (("hellaswag", "other.jsonl", 10, "text", 128), ["not a HellaSwag file (KeyError"]),
+    "jsonl of others": (("hellaswag", "other.jsonl", 10, "text", 128),
+                        ["not a HellaSwag file (ValueError", "has no 'activity_label' field"]),
     "first item too long": (("hellaswag", "hs", 10, "text", 40), ["item 0 of", "set bench_truncate='left' (its "
                                                                   "oldest context tokens cut, counted), a longer"]),
     "truncate right": (("hellaswag", "hs", 10, "text", 128, "right"), ["config: bench_truncate='right': choose ''"]),

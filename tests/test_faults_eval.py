@@ -58,11 +58,25 @@ def test_ctrl_c_is_one_line_exit_130_and_writes_nothing(tmp_path):
 
 # ----------------------------------------------------------------------------- real-valued flags
 
+TEMPERATURE = "0 (greedy) or a finite number >= 1e-05"
+
+
 @pytest.mark.parametrize("argv,flag,bad,allowed", [
-    (["sample", "m.pt"], "--temperature", "nan", ">= 0"), (["sample", "m.pt"], "--temperature", "inf", ">= 0"),
-    (["sample", "m.pt"], "--temperature", "-0.5", ">= 0"), (["sink", "m.pt"], "--threshold", "nan", "in [0, 1]"),
-    (["sink", "m.pt"], "--threshold", "1.5", "in [0, 1]"), (["weights", "m.pt"], "--threshold", "inf", "in [0, 1]"),
-    (["residual", "--init"], "--gamma", "nan", ">= 0"), (["residual", "--init"], "--gamma", "-1", ">= 0"),
+    (["sample", "m.pt"], "--temperature", "nan", TEMPERATURE),
+    (["sample", "m.pt"], "--temperature", "inf", TEMPERATURE),
+    (["sample", "m.pt"], "--temperature", "-0.5", TEMPERATURE),
+    (["sink", "m.pt"], "--threshold", "nan", "a finite number in [0, 1]"),
+    (["sink", "m.pt"], "--threshold", "1.5", "a finite number in [0, 1]"),
+    (["weights", "m.pt"], "--threshold", "inf", "a finite number in [0, 1]"),
+    (["residual", "--init"], "--gamma", "nan", "a finite number in [0, 3]"),
+    (["residual", "--init"], "--gamma", "-1", "a finite number in [0, 3]"),
+    # γ past train.py's GAMMA_MAX: d^-γ underflowed the weights to 0 (1e300: every one), a meaningless exponent
+    (["residual", "--init"], "--gamma", "50", "a finite number in [0, 3]"),
+    (["residual", "--init"], "--gamma", "1e300", "a finite number in [0, 3]"),
+    # logits / 1e-300 overflowed to inf and nan: a RuntimeError traceback from torch.multinomial
+    (["sample", "m.pt"], "--temperature", "1e-300", TEMPERATURE),
+    (["bench", "m.pt", "--task", "gsm8k"], "--temperature", "1e-300", TEMPERATURE),
+    (["bench", "m.pt", "--task", "gsm8k"], "--temperature", "nan", TEMPERATURE),
 ])
 def test_real_valued_flags_are_refused_outside_their_range_when_parsed(argv, flag, bad, allowed, capsys):
     # float() takes nan and inf: a nan temperature died in torch.multinomial, inf and negative ones
@@ -73,8 +87,7 @@ def test_real_valued_flags_are_refused_outside_their_range_when_parsed(argv, fla
     with pytest.raises(SystemExit) as exit_info:
         ev.build_parser().parse_args(argv + [flag, bad])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1].endswith(
-        f"error: argument {flag}: must be a finite number {allowed} (got {bad})")
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: argument {flag}: must be {allowed} (got {bad})")
 
 
 def test_sampling_at_temperature_nan_or_inf_ends_in_one_line(tmp_path, capsys):
@@ -83,8 +96,7 @@ def test_sampling_at_temperature_nan_or_inf_ends_in_one_line(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_info:
             ev.main(["sample", ckpt, "--max-new-tokens", "3", "--temperature", bad])
         assert exit_info.value.code == 2
-        assert capsys.readouterr().err.splitlines()[-1].endswith("--temperature: must be a finite number >= 0 "
-                                                                 f"(got {bad})")
+        assert capsys.readouterr().err.splitlines()[-1].endswith(f"--temperature: must be {TEMPERATURE} (got {bad})")
 
 
 def test_an_empty_prompt_samples_a_document_from_its_start(tmp_path, capsys):
