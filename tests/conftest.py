@@ -1,5 +1,6 @@
 import os
 import re
+import signal
 import sys
 
 import torch
@@ -11,6 +12,12 @@ sys.path.insert(0, ROOT)
 # Two cores: keep each test process on one intra-op thread so parallel helpers
 # (torchrun workers) don't oversubscribe the machine.
 torch.set_num_threads(1)
+
+# The Ctrl-C tests send real SIGINTs to this process and to the scripts it launches. A shell
+# starts a background job (`pytest ... &`) with SIGINT ignored, an exec keeps an ignored signal
+# ignored, and Python then installs no KeyboardInterrupt handler: every such test would wait for
+# its timeout and fail. A handler here resets to the default in every child, as in a terminal.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # Shared model builders and the greedy reference. Test files import them (`from conftest import
