@@ -33,7 +33,7 @@ import tiktoken
 import torch
 from tqdm import tqdm
 
-from fileio import NotOwnFile, open_regular, sha256_file
+from fileio import NotOwnFile, open_regular, parse_json, sha256_file
 
 FORMAT_VERSION = 1
 MAGIC = b"SITOKENS"
@@ -238,10 +238,10 @@ def read_meta(path):
     """(meta, None), or (None, what is wrong with the file)."""
     try:
         with os.fdopen(open_regular(path), "rb") as f:  # a FIFO planted as meta.json would block open()
-            meta = json.load(f)
+            meta = parse_json(f.read())
     except NotOwnFile as e:
         return None, e.strerror
-    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, or nested past the parser's depth
+    except ValueError as e:  # not JSON, not UTF-8, or nested past the decoder's depth (parse_json)
         return None, f"not JSON ({type(e).__name__}: {str(e)[:60]})"
     problem = meta_problem(meta)
     return (None, problem) if problem else (meta, None)

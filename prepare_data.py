@@ -17,6 +17,8 @@ import argparse
 import bz2
 import codecs
 import errno
+import fcntl
+import fnmatch
 import glob
 import gzip
 import hashlib
@@ -29,6 +31,8 @@ import os
 import shlex
 import shutil
 import signal
+import socket
+import stat
 import sys
 import tempfile
 import time
@@ -41,8 +45,8 @@ import numpy as np
 
 from anchor import ANCHOR_SHIFTS, PAIRS, AnchorTask, anchor_records, anchor_vocab, check_anchor_task
 from configurator import at_least
-from data import FORMAT_VERSION, HEADER, HEADER_BYTES, MAGIC, get_tokenizer, progress_bar, read_meta
-from fileio import atomic_open, atomic_write_bytes, naming
+from data import FORMAT_VERSION, HEADER, HEADER_BYTES, MAGIC, get_tokenizer, is_int, progress_bar, read_meta
+from fileio import NotOwnFile, atomic_open, atomic_write_bytes, file_kind, naming, open_nofollow, parse_json
 
 
 def usable_cores():
@@ -128,14 +132,17 @@ class ShardWriter:
                 "shard_sha256": shas}
 
 
+SHARD_FILES = "*_" + "[0-9]" * 6 + ".bin"  # only what ShardWriter writes: the folder may hold other files
+# What a build writes in --out, meta.json first, with fileio.atomic_open's leftovers; beside them the
+# token cache of an unfinished build and the lock of a running one
+OUTPUT_FILES = ("meta.json", "meta.json*.tmp", SHARD_FILES, SHARD_FILES + "*.tmp")
+CACHE_NAME, LOCK_NAME = "tokenize_cache", "prepare_data.lock"
+
+
 def clear_outputs(out_dir):
     """Start a (re)build: drop meta.json first, so no old meta ever vouches for new shards."""
-    meta = os.path.join(out_dir, "meta.json")
-    if os.path.exists(meta):
-        os.remove(meta)
-    shard_names = "*_" + "[0-9]" * 6 + ".bin"  # only what ShardWriter writes: the folder may hold other files
-    for pattern in (shard_names, shard_names + "*.tmp", "meta.json*.tmp"):  # fileio.atomic_open's leftovers
-        for path in glob.glob(os.path.join(out_dir, pattern)):
+    for pattern in OUTPUT_FILES:
+        for path in glob.glob(os.path.join(glob.escape(out_dir), pattern)):
             os.remove(path)
 
 
@@ -634,46 +641,100 @@ def parallel_map(pool, fn, tasks, workers):
 
 
 
+def stat_rows(value):
+    """Whether a recorded source_file_stats is [path, size, mtime_ns] rows, as file_changes reads them."""
+    return isinstance(value, list) and all(isinstance(row, list) and len(row) == 3 and isinstance(row[0], str)
+                                           and is_int(row[1]) and is_int(row[2]) for row in value)
+
+
+def open_cached(path):
+    """A cache file for reading: a symlink is not followed out of the folder, a FIFO not waited on
+    (fileio.NotOwnFile)."""
+    return os.fdopen(open_nofollow(path, os.O_RDONLY), "rb")
+
+
+def cache_paths(cache_dir, source):
+    """A source's token cache: the done marker, the tokens, the document lengths."""
+    return [os.path.join(cache_dir, f"{source.name}.{kind}") for kind in ("done.json", "tokens.bin", "lengths.npy")]
+
+
+def read_cache(source, cache_dir, dtype, fingerprint):
+    """((tokens memmap, document lengths), None) of a complete cache that an interrupted run left for
+    the source, or (None, why not). Its files may hold anything: <name>.done.json must be the marker this
+    run would write (fingerprint["files"], source_file_stats, ties it to the files it was read from)
+    with the sha256 of each file, and the files must have those bytes."""
+    done, tokens_path, lengths_path = cache_paths(cache_dir, source)
+    try:
+        with open_cached(done) as f:
+            cached = parse_json(f.read())
+    except ValueError as e:
+        return None, f"{done} is not JSON ({e})"
+    if not isinstance(cached, dict):
+        return None, f"{done} holds a JSON {type(cached).__name__}, not a cache marker"
+    recorded = {k: v for k, v in cached.items() if k != "sha256"}
+    if recorded != fingerprint:
+        if {**recorded, "files": None} == {**fingerprint, "files": None} and stat_rows(recorded.get("files")):
+            changes = file_changes({source.name: recorded["files"]}, {source.name: fingerprint["files"]})
+            return None, f"{one_change(changes)} since the interrupted run"
+        return None, f"{done} was written for other settings or source files"
+    sums = cached.get("sha256")
+    if not (isinstance(sums, dict) and all(isinstance(sums.get(k), str) for k in ("tokens", "lengths"))):
+        return None, f"{done} records no sha256 of the cached files"
+    with open_cached(lengths_path) as f:
+        raw = f.read()
+    if hashlib.sha256(raw).hexdigest() != sums["lengths"]:
+        return None, f"{lengths_path} does not match the sha256 that {done} records"
+    try:  # the sha256 is no secret: a marker written by hand can vouch for any bytes
+        lengths = np.load(io.BytesIO(raw))
+    except (ValueError, EOFError):
+        lengths = None
+    if not (isinstance(lengths, np.ndarray) and lengths.dtype == np.int64 and lengths.ndim == 1 and len(lengths)
+            and (lengths > 0).all()):
+        return None, f"{lengths_path} holds no document lengths"
+    with open_cached(tokens_path) as f:
+        # The sizes first: a cache cut short (a full disk) is the common damage, and says so
+        if os.fstat(f.fileno()).st_size != lengths.sum() * np.dtype(dtype).itemsize:
+            return None, "cached tokens are incomplete"
+        if hashlib.file_digest(f, "sha256").hexdigest() != sums["tokens"]:
+            return None, f"{tokens_path} does not match the sha256 that {done} records"
+        return (np.memmap(f, dtype, "r"), lengths), None  # the file checked, not whatever its name holds now
+
+
 def tokenize_source(source, pool, workers, cache_dir, dtype, fingerprint):
     """Tokenize one source into cache_dir/<name>.tokens.bin (raw `dtype`) and <name>.lengths.npy.
 
     Returns (tokens memmap, document lengths, (tokens, seconds) since the first result, or
     None when reused).
     fingerprint["cap"] (None: no cap) stops the read once that many tokens are in.
-    A cache with a matching <name>.done.json is complete and reused (resume after a crash):
-    fingerprint["files"] (source_file_stats) ties it to the files it was read from.
+    A cache whose <name>.done.json vouches for it is reused (resume after a crash, read_cache);
+    any other is tokenized again, saying why in one line.
     """
-    done = os.path.join(cache_dir, f"{source.name}.done.json")
-    tokens_path = os.path.join(cache_dir, f"{source.name}.tokens.bin")
-    lengths_path = os.path.join(cache_dir, f"{source.name}.lengths.npy")
-    if os.path.exists(done):
-        with open(done) as f:
-            cached = json.load(f)
-        same = cached == fingerprint
-        # a marker without "files" predates them: it is not reused, and there is nothing to name
-        changes = (file_changes({source.name: cached["files"]}, {source.name: fingerprint["files"]})
-                   if "files" in cached else [])
-        if changes and {**cached, "files": None} == {**fingerprint, "files": None}:
-            print(f"{source.name}: {one_change(changes)} since the interrupted run, tokenizing again", file=sys.stderr)
-        if same and os.path.exists(tokens_path) and os.path.exists(lengths_path):
-            tokens, lengths = np.memmap(tokens_path, dtype, "r"), np.load(lengths_path)
-            # The marker vouches for the settings; the sizes vouch for the bytes (a cache
-            # truncated or edited after the marker was written is tokenized again).
-            if len(tokens) == lengths.sum():
-                print(f"{source.name}: reusing tokens from an interrupted run", file=sys.stderr)
-                return tokens, lengths, None
-            print(f"{source.name}: cached tokens are incomplete, tokenizing again", file=sys.stderr)
-        os.remove(done)
+    done, tokens_path, lengths_path = cache_paths(cache_dir, source)
+    if os.path.lexists(done):
+        try:
+            cache, why = read_cache(source, cache_dir, dtype, fingerprint)
+        except FileNotFoundError:
+            cache, why = None, "cached tokens are incomplete"
+        except NotOwnFile as e:
+            cache, why = None, f"{e.filename} is {e.strerror}"
+        if cache is not None:
+            print(f"{source.name}: reusing tokens from an interrupted run", file=sys.stderr)
+            return *cache, None
+        print(f"{source.name}: {why}, tokenizing again", file=sys.stderr)
+        os.remove(done)  # a link or a FIFO goes, not what it names; the files under it are replaced by renames
     cap = fingerprint["cap"]
     lengths, count, first = [], 0, None  # first: (time, tokens) at the first result
+    digest = hashlib.sha256()
     texts = iter_texts(source)
     # a bar when the token budget is known (a stream has no length), else a counter; atomic_open
     # fsyncs before the rename, so the file is on disk before the done marker can vouch for it
     with atomic_open(tokens_path) as raw, progress_bar(total=cap, desc=f"tokenizing {source.name}", unit="tok",
                                                        unit_scale=True) as bar:
         for tokens, lens in parallel_map(pool, encode_documents, chunk_texts(texts, 1 << 18), workers):
+            data = tokens.tobytes()
             with naming(tokens_path):  # names no file: name the one the user knows
-                raw.write(tokens.tobytes())
+                raw.write(data)
+            digest.update(data)
             lengths.append(lens)
             count += len(tokens)
             bar.update(len(tokens) if cap is None else min(len(tokens), cap - bar.n))  # the last read overshoots
@@ -683,11 +744,15 @@ def tokenize_source(source, pool, workers, cache_dir, dtype, fingerprint):
         if not lengths:  # raised inside: atomic_open then leaves no file
             raise ValueError(f"source {source.name} ({source.path}) has no non-empty documents")
     lengths = np.concatenate(lengths)
-    write_file(lengths_path, [npy_bytes(lengths)])
-    write_file(done, [json.dumps(fingerprint).encode()])
+    lengths_bytes = npy_bytes(lengths)
+    write_file(lengths_path, [lengths_bytes])
+    sums = {"tokens": digest.hexdigest(), "lengths": hashlib.sha256(lengths_bytes).hexdigest()}
+    write_file(done, [json.dumps({**fingerprint, "sha256": sums}).encode()])
     # The steady rate counts from the first result on: start-up (imports, worker start, opening
     # the dataset) is a fixed cost that the pipeline's throughput at scale does not pay per token.
-    return np.memmap(tokens_path, dtype, "r"), lengths, (count - first[1], time.time() - first[0])
+    with open_cached(tokens_path) as f:
+        tokens = np.memmap(f, dtype, "r")
+    return tokens, lengths, (count - first[1], time.time() - first[0])
 
 
 # -----------------------------------------------------------------------------
@@ -815,24 +880,133 @@ class Interrupted(KeyboardInterrupt):
     """Ctrl-C, with the one line that says what it left: prepare_data.py prints it and exits 130."""
 
 
+def glob_reaches(parts, names):
+    """Whether glob.glob's pattern components (recursive: ** spans folders) match a path's names.
+    As in glob, a wildcard passes over hidden names (.cache/) unless the pattern spells the dot."""
+    if not parts:
+        return not names
+    if parts[0] == "**":
+        return any(glob_reaches(parts[1:], names[i:]) for i in range(len(names) + 1)
+                   if not any(n.startswith(".") for n in names[:i]))
+    return (bool(names) and fnmatch.fnmatchcase(names[0], parts[0])
+            and (parts[0].startswith(".") or not names[0].startswith(".")) and glob_reaches(parts[1:], names[1:]))
+
+
+def check_out_of_sources(out, sources):
+    """Refuse an --out that a source reads: under a folder source (every file there is read, and each
+    build would change the files its data was prepared from), or where a glob source matches what a
+    build writes (corpus/**/*.json matches meta.json and the cache markers)."""
+    real_out = os.path.realpath(out)
+    written = ["meta.json", "train_000000.bin", LOCK_NAME, *(p for s in sources for p in cache_paths(CACHE_NAME, s))]
+    for s in sources:
+        if s.path.startswith("hf:"):
+            continue
+        path = os.path.abspath(os.path.expanduser(s.path))
+        if os.path.isdir(path):
+            reads = os.path.commonpath([os.path.realpath(path), real_out]) == os.path.realpath(path)
+        else:  # a file or a glob: from its first component with a wildcard on, compared name by name
+            parts = path.split(os.sep)
+            fixed = next((i for i, part in enumerate(parts) if any(c in part for c in "*?[")), len(parts))
+            root = os.path.realpath(os.sep.join(parts[:fixed]) or os.sep)
+            inside = os.path.relpath(real_out, root)
+            reads = not inside.startswith(os.pardir) and any(
+                glob_reaches(parts[fixed:], os.path.normpath(os.path.join(inside, f)).split(os.sep)) for f in written)
+        if reads:
+            raise ValueError(f"--out {out} is where source {s.name} ({s.path}) reads: the files written there would "
+                             f"become its documents; pass an --out outside it")
+
+
+def kind_of(path):
+    """'a symlink', 'a file', 'a FIFO'...: what lstat says path is, for a message."""
+    mode = os.lstat(path).st_mode
+    return "a symlink" if stat.S_ISLNK(mode) else "a file" if stat.S_ISREG(mode) else file_kind(mode)
+
+
+def check_out_folder(out_dir):
+    """Refuse an --out that is not a data folder of ours: files that no build wrote and no data
+    meta.json (`--out ~` or `--out /`, where --force, meant to rebuild a data folder, would then
+    write), or a token cache that is not a folder of its own (a link to another folder would be read
+    as the cache and written into)."""
+    cache = os.path.join(out_dir, CACHE_NAME)
+    if os.path.lexists(cache) and not stat.S_ISDIR(os.lstat(cache).st_mode):
+        raise ValueError(f"{cache} is {kind_of(cache)}, not a folder of its own: the token cache is read and "
+                         f"written only there; remove it, then rerun")
+    theirs = sorted(n for n in os.listdir(out_dir)
+                    if n not in (CACHE_NAME, LOCK_NAME) and not any(fnmatch.fnmatchcase(n, p) for p in OUTPUT_FILES))
+    meta = os.path.join(out_dir, "meta.json")
+    if theirs and not (os.path.lexists(meta) and read_meta(meta)[1] is None):
+        more = f" (and {len(theirs) - 1} more)" if len(theirs) > 1 else ""
+        raise ValueError(f"{out_dir} holds {theirs[0]}{more}, which prepare_data.py did not write, and no data "
+                         f"meta.json: it is not a data folder; pass a new or empty folder as --out")
+
+
+def lock_out(out_dir):
+    """An exclusive OS lock on out_dir/prepare_data.lock, released by the kernel when the process
+    dies (no stale lock after a crash). The file says who holds it, for the error a second run gets."""
+    path = os.path.join(out_dir, LOCK_NAME)
+    while True:
+        try:
+            fd = open_nofollow(path)
+        except NotOwnFile as e:
+            raise ValueError(f"{path} is {e.strerror} (a data folder's files are its own); remove it, "
+                             f"then rerun") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 512).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise ValueError(f"{out_dir} is in use by {holder}: wait for that run to end (or stop it), or pass "
+                             f"another --out") from None
+        # The run before removes the file as it ends: a lock taken on a file opened just before that
+        # excludes no one who opens the name now, so it is taken again on the file there
+        with suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.lstat(path)):
+                break
+        os.close(fd)
+    with naming(path):
+        os.ftruncate(fd, 0)  # the holder before was killed: its line stayed
+        os.write(fd, f"prepare_data.py pid {os.getpid()} on host {socket.gethostname()} "
+                     f"(since {time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode())
+    return fd
+
+
 @contextmanager
-def building(out_dir):
-    """A (re)build of out_dir: the old meta.json and shards go first. On a failure or Ctrl-C the
-    shards written so far go too (a folder without meta.json is never read, and the rerun writes
-    them again), and the folder when this build made it and nothing is left in it; complete token
-    caches stay for the rerun to reuse. Ctrl-C becomes Interrupted, saying that."""
+def claimed(out_dir):
+    """out_dir for this run alone, made when missing: checked (check_out_folder) and locked (lock_out):
+    a second run into it would clear the first one's shards and write its own, and the first one's
+    meta.json would then vouch for them. The lock file goes when the run ends, and the folder too
+    when this run made it and nothing is left in it."""
     created = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
+    fd = None
+    try:
+        check_out_folder(out_dir)
+        fd = lock_out(out_dir)
+        yield
+    finally:
+        if fd is not None:
+            with suppress(OSError):  # removed while still locked: no other run holds the name meanwhile
+                os.remove(os.path.join(out_dir, LOCK_NAME))
+            os.close(fd)
+        if created:
+            with suppress(OSError):
+                os.rmdir(out_dir)  # only when empty
+
+
+@contextmanager
+def building(out_dir):
+    """A (re)build of out_dir (claimed): the old meta.json and shards go first. On a failure or Ctrl-C
+    the shards written so far go too (a folder without meta.json is never read, and the rerun writes
+    them again); complete token caches stay for the rerun to reuse. Ctrl-C becomes Interrupted,
+    saying that."""
     try:
         clear_outputs(out_dir)
         yield
     except BaseException as e:
-        cache = os.path.join(out_dir, "tokenize_cache")
+        cache = os.path.join(out_dir, CACHE_NAME)
         with suppress(OSError):  # the failure may be the disk's: clean what can be, report the first error
             clear_outputs(out_dir)
-            for folder in (cache, out_dir) if created else (cache,):
-                with suppress(OSError):
-                    os.rmdir(folder)  # only when empty
+            os.rmdir(cache)  # only when empty
         if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
             kept = sorted(f[:-len(".done.json")] for f in os.listdir(cache) if f.endswith(".done.json")) \
                 if os.path.isdir(cache) else []
@@ -855,28 +1029,30 @@ def prepare_text(args):
                 "val_fraction": args.val_fraction, "seed": args.seed, "shard_tokens": args.shard_tokens}
     # before any read: a file changed during it is caught next time
     files = {s.name: source_file_stats(s) for s in sources}
-    meta = None if args.force else prepared_meta(args.out, "settings", settings, TEXT_FLAGS)
-    if meta is not None:
-        changes = file_changes(meta["source_files"], files) if "source_files" in meta else []
-        if not changes:
-            unrecorded = "" if "source_files" in meta else "; its source files were not recorded, so not compared"
-            print(f"{args.out} is already prepared with these settings (--force rebuilds it{unrecorded})")
+    check_out_of_sources(args.out, sources)
+    with claimed(args.out):
+        meta = None if args.force else prepared_meta(args.out, "settings", settings, TEXT_FLAGS)
+        if meta is not None:
+            changes = file_changes(meta["source_files"], files) if "source_files" in meta else []
+            if not changes:
+                unrecorded = "" if "source_files" in meta else "; its source files were not recorded, so not compared"
+                print(f"{args.out} is already prepared with these settings (--force rebuilds it{unrecorded})")
+                return meta
+            if not args.keep_stale:
+                raise ValueError(f"{args.out} was prepared from other source files: {one_change(changes)}; "
+                                 f"--force rebuilds it from the files there now, --keep-stale keeps the old data")
+            print(f"{args.out}: keeping the data prepared before {one_change(changes)} (--keep-stale)")
             return meta
-        if not args.keep_stale:
-            raise ValueError(f"{args.out} was prepared from other source files: {one_change(changes)}; "
-                             f"--force rebuilds it from the files there now, --keep-stale keeps the old data")
-        print(f"{args.out}: keeping the data prepared before {one_change(changes)} (--keep-stale)")
-        return meta
-    with building(args.out):
-        return build_text(args, sources, names, enc, settings, files)
+        with building(args.out):
+            return build_text(args, sources, names, enc, settings, files)
 
 
 def build_text(args, sources, names, enc, settings, files):
     start = time.time()
 
     # 1) tokenize each source into a cache (complete caches of an interrupted run are reused)
-    cache_dir = os.path.join(args.out, "tokenize_cache")
-    os.makedirs(cache_dir, exist_ok=True)
+    cache_dir = os.path.join(args.out, CACHE_NAME)
+    os.makedirs(cache_dir, exist_ok=True)  # check_out_folder: a folder of its own if it is there
     dtype = token_dtype(enc.n_vocab)
     caches, timings = [], []
     with multiprocessing.Pool(args.workers, init_worker, (args.tokenizer, args.tokenizer_dir)) as pool:
@@ -968,41 +1144,42 @@ def prepare_anchor(task, out_dir, invocation, force=False):
     with the same task is left as it is (same seed, same bytes); with another, refused without force."""
     check_anchor_task(task)
     settings = json.loads(json.dumps(asdict(task)))  # as meta.json records them: tuples are lists
-    meta = None if force else prepared_meta(out_dir, "anchor", settings, ANCHOR_FLAGS)
-    if meta is not None:
-        print(f"{out_dir} is already prepared with these settings (--force rebuilds it)")
-        return meta
-    rng = np.random.default_rng(task.seed)
-    keys = np.arange(task.keys[0], task.keys[1] + 1)
-    test_keys = np.sort(rng.choice(keys, round(task.test_key_fraction * len(keys)), replace=False))
-    train_keys = np.setdiff1d(keys, test_keys)
-    heldout = (PAIRS[:, 0] == task.heldout[0]) & (PAIRS[:, 1] == task.heldout[1])
-    seen, held = PAIRS[~heldout], PAIRS[heldout]
-    vocab_size, eot_id = anchor_vocab(task)
-    record_len = task.seq_len + 1
-    mask = np.zeros(record_len, np.uint8)
-    mask[-1] = 1
-    with building(out_dir):
-        splits = {}
-        for split, n, split_keys, pairs in [("train", task.n_train, train_keys, seen),
-                                            ("val", task.n_eval, train_keys, seen),
-                                            ("test", task.n_eval, test_keys, seen),
-                                            ("heldout", task.n_eval, keys, held)]:
-            records, sources = anchor_records(task, n, split_keys, pairs, rng)
-            writer = ShardWriter(out_dir, split, np.uint16, record_len * 1_000_000, with_mask=True)
-            for record, source in zip(records.astype(np.uint16), sources.tolist()):
-                writer.add(record, source, mask)
-            splits[split] = {**writer.close(), "records": n,
-                             "pair_counts": np.bincount(sources, minlength=len(PAIRS)).tolist()}
-        meta = write_meta(out_dir, {
-            "tokenizer": "anchor", "vocab_size": vocab_size, "eot_id": eot_id, "dtype": "uint16",
-            "sources": [f"pair_{a}_{b}" for a, b in PAIRS.tolist()], "record_len": record_len, "splits": splits,
-            "anchor": {**asdict(task), "shifts": ANCHOR_SHIFTS, "train_keys": train_keys.tolist(),
-                       "test_keys": test_keys.tolist()},
-        }, invocation)
-        print(f"anchor task in {out_dir}: " + ", ".join(f"{k} {v['records']:,}" for k, v in splits.items())
-              + f" records of {record_len} tokens, vocab {vocab_size}")
-        return meta
+    with claimed(out_dir):
+        meta = None if force else prepared_meta(out_dir, "anchor", settings, ANCHOR_FLAGS)
+        if meta is not None:
+            print(f"{out_dir} is already prepared with these settings (--force rebuilds it)")
+            return meta
+        rng = np.random.default_rng(task.seed)
+        keys = np.arange(task.keys[0], task.keys[1] + 1)
+        test_keys = np.sort(rng.choice(keys, round(task.test_key_fraction * len(keys)), replace=False))
+        train_keys = np.setdiff1d(keys, test_keys)
+        heldout = (PAIRS[:, 0] == task.heldout[0]) & (PAIRS[:, 1] == task.heldout[1])
+        seen, held = PAIRS[~heldout], PAIRS[heldout]
+        vocab_size, eot_id = anchor_vocab(task)
+        record_len = task.seq_len + 1
+        mask = np.zeros(record_len, np.uint8)
+        mask[-1] = 1
+        with building(out_dir):
+            splits = {}
+            for split, n, split_keys, pairs in [("train", task.n_train, train_keys, seen),
+                                                ("val", task.n_eval, train_keys, seen),
+                                                ("test", task.n_eval, test_keys, seen),
+                                                ("heldout", task.n_eval, keys, held)]:
+                records, sources = anchor_records(task, n, split_keys, pairs, rng)
+                writer = ShardWriter(out_dir, split, np.uint16, record_len * 1_000_000, with_mask=True)
+                for record, source in zip(records.astype(np.uint16), sources.tolist()):
+                    writer.add(record, source, mask)
+                splits[split] = {**writer.close(), "records": n,
+                                 "pair_counts": np.bincount(sources, minlength=len(PAIRS)).tolist()}
+            meta = write_meta(out_dir, {
+                "tokenizer": "anchor", "vocab_size": vocab_size, "eot_id": eot_id, "dtype": "uint16",
+                "sources": [f"pair_{a}_{b}" for a, b in PAIRS.tolist()], "record_len": record_len, "splits": splits,
+                "anchor": {**asdict(task), "shifts": ANCHOR_SHIFTS, "train_keys": train_keys.tolist(),
+                           "test_keys": test_keys.tolist()},
+            }, invocation)
+            print(f"anchor task in {out_dir}: " + ", ".join(f"{k} {v['records']:,}" for k, v in splits.items())
+                  + f" records of {record_len} tokens, vocab {vocab_size}")
+            return meta
 
 
 # -----------------------------------------------------------------------------
@@ -1045,6 +1222,21 @@ class OneLineParser(argparse.ArgumentParser):
 # every share rounds to 0 tokens); quick checks use 2K and up.
 MIN_SHARD_TOKENS = 1 << 16
 MIN_BUDGET = 1000
+# A worker is a process with a tokenizer of its own: more than a few per core only adds memory, and a
+# typo's --workers 100000 forks until the OOM killer ends the run.
+WORKERS_PER_CORE = 4
+
+
+def worker_count(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"invalid int value: {text!r}") from None  # argparse's own words for an int flag
+    cores = os.cpu_count() or 1
+    if value > WORKERS_PER_CORE * cores:
+        raise ValueError(f"must be <= {WORKERS_PER_CORE * cores} (got {text}): at most {WORKERS_PER_CORE} tokenizer "
+                         f"processes per core, of the {cores} here")
+    return value
 
 
 def add_text_arguments(p):
@@ -1067,7 +1259,8 @@ def add_text_arguments(p):
                    help="share of each source's tokens held out by document (0: no val split)")
     p.add_argument("--seed", type=at_least(0), default=0, help="fixes document selection, val split and order")
     # one tokenizer process per usable core: tokenization is CPU-bound
-    p.add_argument("--workers", type=at_least(1), default=usable_cores(), help="tokenizer processes")
+    p.add_argument("--workers", type=at_least(1, worker_count), default=usable_cores(),
+                   help=f"tokenizer processes (at most {WORKERS_PER_CORE} per core)")
     # 100M tokens (200 MB as uint16): few files, each cheap to map, as in nanoGPT/llm.c FineWeb shards
     p.add_argument("--shard-tokens", type=at_least(MIN_SHARD_TOKENS, parse_count), default=100_000_000,
                    help="tokens per shard file")
@@ -1083,17 +1276,20 @@ WRITE_FIXES = {
     errno.EFBIG: "the file-size limit (ulimit -f) is below the file: raise it (ulimit -f unlimited)",
     errno.ENOTDIR: "a folder of the path is a file: pass another --out",
     errno.EEXIST: "it is a file: pass a folder as --out",
+    errno.EISDIR: "a folder stands where a file of the data goes: remove it or pass another --out",
 }
 
 
 def os_error_line(e, out):
     """One line for an OSError: writing in the output folder names the file and the fix, others
-    the file and what the system said."""
-    inside = out is not None and (e.filename is None or os.path.commonpath(
-        [os.path.realpath(e.filename), os.path.realpath(out)]) == os.path.realpath(out))
+    the file and what the system said. A failed rename names the file renamed to (fileio.atomic_open's
+    temporary name is none the user knows)."""
+    name = e.filename2 or e.filename
+    inside = out is not None and (name is None or os.path.commonpath(
+        [os.path.realpath(name), os.path.realpath(out)]) == os.path.realpath(out))
     if inside and e.errno in WRITE_FIXES:
-        return f"cannot write {e.filename or out} ({e.strerror}): {WRITE_FIXES[e.errno]}"
-    return f"{e.filename}: {e.strerror}" if e.filename else str(e)
+        return f"cannot write {name or out} ({e.strerror}): {WRITE_FIXES[e.errno]}"
+    return f"{name}: {e.strerror}" if name else str(e)
 
 
 def main(argv=None):
