@@ -26,11 +26,15 @@ import itertools
 import json
 import os
 import pickle
+import re
 import resource
 import shutil
+import signal
 import socket
+import stat
 import subprocess
 import sys
+import threading
 import time
 import warnings
 import zipfile
@@ -50,8 +54,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from model import GPT, GPTConfig
-from fileio import (WRITE_LIMITS, NotOwnFile, atomic_open, atomic_write_bytes, naming, open_nofollow, read_json,
-                    sha256_file, write_json)
+from fileio import (WRITE_LIMITS, NotOwnFile, atomic_open, atomic_write_bytes, file_kind, naming, open_nofollow,
+                    open_regular, parse_json, read_json, sha256_file, write_json)
 
 # ----------------------------------------------------------------------------- reading without running code
 # DCP unpickles .metadata with plain pickle.load and torch.loads its byte entries (the optimizer's
@@ -296,6 +300,28 @@ META_TYPES = {"step": int, "world_size": int, "config": dict, "model_config": di
               "data_state": dict, "sha256": dict, "data_fingerprint": str, "resume_changes": list,
               "code_version": dict}
 OPTIONAL_META = {"data_state", "sha256", "data_fingerprint", "resume_changes", "code_version"}
+DATA_STATE = ("epoch", "pos", "n_windows")  # the loader's position (data.TokenLoader.state_dict)
+
+
+def data_state_problem(state):
+    """What makes a loader position (None: absent) one no run wrote, else None: a negative or fractional pos would
+    read a short batch (an assertion deep in the step), one past the split would skip data."""
+    if state is None:
+        return None
+    if not all(type(state.get(key)) is int for key in DATA_STATE):
+        return f"has data_state {str(state)[:120]}, not whole numbers {', '.join(DATA_STATE)}"
+    if not (state["epoch"] >= 0 and 0 <= state["pos"] <= state["n_windows"]):
+        return f"has data_state {str(state)[:120]}, not a position in the split (0 <= pos <= n_windows, epoch >= 0)"
+    return None
+
+
+def changes_problem(history):
+    """What makes resume_changes other than the [{step, changes: {setting: {was, now}}}] a resume reads, else None."""
+    for entry in history:
+        if not (type(entry) is dict and type(entry.get("changes")) is dict
+                and all(type(c) is dict and "now" in c for c in entry["changes"].values())):
+            return f"has resume_changes entry {str(entry)[:80]}, not {{step, changes: {{setting: {{was, now}}}}}}"
+    return None
 
 
 def meta_problem(meta):
@@ -311,7 +337,7 @@ def meta_problem(meta):
     outside = [name for name in meta.get("sha256", {}) if not plain_name(name)]
     if outside:
         return f"lists {outside[0]!r} among its files, not a file inside the checkpoint folder"
-    return None
+    return data_state_problem(meta.get("data_state")) or changes_problem(meta.get("resume_changes", []))
 
 
 def read_meta(path):
@@ -323,8 +349,8 @@ def read_meta(path):
     except FileNotFoundError:
         raise DamagedCheckpoint("no meta.json") from None
     try:
-        meta = json.loads(raw)
-    except ValueError as e:  # not JSON, or not UTF-8
+        meta = parse_json(raw)
+    except ValueError as e:  # not JSON, not UTF-8, or nested past the decoder's recursion
         raise DamagedCheckpoint(f"meta.json is not valid JSON ({e})") from None
     try:
         with os.fdopen(open_in_checkpoint(os.path.join(path, META_SUM)), "rb") as f:
@@ -477,12 +503,17 @@ def open_in_run_dir(path, flags):
     """fileio.open_nofollow for a file of a run folder, refused in one line when it is not a plain file
     of its own: the folder may come from someone else, and opening a symlink or a hard link there to
     write (the lock truncates its file) would change a file anywhere the user can write, a FIFO would
-    never open."""
+    never open. A folder under the name is refused too: opened to write, it fails with a bare EISDIR."""
     try:
         return open_nofollow(path, flags)
-    except NotOwnFile as e:
-        raise RunDirError(f"{path} is {e.strerror} (a run folder's files are its own); replace it "
-                          f"with a regular file or remove it, then rerun") from None
+    except (NotOwnFile, IsADirectoryError) as e:
+        raise not_own_file(path, "a folder" if isinstance(e, IsADirectoryError) else e.strerror) from None
+
+
+def not_own_file(path, what):
+    """The one line for a run folder's file that is not a plain file of its own (what: what it is)."""
+    return RunDirError(f"{path} is {what} (a run folder's files are its own); replace it with a regular file or "
+                       f"remove it, then rerun")
 
 
 def lock_run_dir(run_dir):
@@ -503,6 +534,26 @@ def lock_run_dir(run_dir):
         os.write(fd, f"train.py pid {os.getpid()} on host {socket.gethostname()} "
                      f"(since {time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode())
     return fd
+
+
+@contextmanager
+def sigint_held(deliver=True):
+    """SIGINT held back for the block; yields the list of those that came. deliver: each goes, at the end, to the
+    handler that was there before (a KeyboardInterrupt raised there); else the caller decides what they mean.
+    A swapped handler, not a blocked signal: the kernel would hand a signal blocked in this thread to another one
+    (torch's workers), whose C handler still makes Python raise it here. Only the main thread sees
+    KeyboardInterrupt, so elsewhere there is nothing to hold."""
+    caught = []
+    if threading.current_thread() is not threading.main_thread():
+        yield caught
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield caught
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and deliver:
+            signal.raise_signal(signal.SIGINT)
 
 
 def all_finite(net, opt):
@@ -575,6 +626,16 @@ def describe_changes(changes):
     return "; ".join(f"{k} {v['was']!r} there, {v['now']!r} now" for k, v in changes.items())
 
 
+def make_run_dir(out):
+    """os.makedirs of the run folder, a file in its place (or in its path) refused in one line: makedirs says only
+    "File exists"."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise RunDirError(f"out_dir={out} is a file, or lies under one, not a folder: choose another out_dir "
+                          f"(nothing was changed)") from None
+
+
 def open_run_dir(out, resume, rank, log):
     """The run folder's complete checkpoints, oldest first, with its lock held. Rank 0 takes the
     lock, clears what killed runs left and lists the checkpoints, then tells the others: on a
@@ -583,7 +644,7 @@ def open_run_dir(out, resume, rank, log):
     found = [None, [], []]
     if rank == 0:
         try:
-            os.makedirs(out, exist_ok=True)
+            make_run_dir(out)
             lock_run_dir(out)  # held until the process exits (the fd is never closed)
             clear_leftovers(out)
             found = [None, *scan_checkpoints(out)]
@@ -736,17 +797,23 @@ def local_state_bytes(net, opt):
 
 def write_limit(errors, folder, need_bytes):
     """The WRITE_LIMITS errno a failed save ran into, else None. An OSError with one of them
-    anywhere in the errors given, their chains or DCP's per-rank failures decides; torch.save's
-    writer can lose the errno ("unexpected pos 704 vs 598"), so a file-size limit or free space
-    below what one checkpoint needs counts too."""
+    anywhere in the errors given, their chains or DCP's per-rank failures decides (or the errno in the
+    text of a Rust library's error: safetensors, tokenizers); torch.save's writer can lose the errno
+    ("unexpected pos 704 vs 598"), so a file-size limit or free space below what one checkpoint
+    needs counts too."""
     seen, todo = set(), list(errors)
     while todo:
         error = todo.pop()
         if error is None or id(error) in seen:
             continue
         seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in WRITE_LIMITS:
-            return error.errno
+        if isinstance(error, OSError):
+            code = error.errno
+        else:  # a Rust library's io::Error keeps the errno in its text only
+            found = re.search(r"\(os error (\d+)\)", str(error))
+            code = found and int(found.group(1))
+        if code in WRITE_LIMITS:
+            return code
         todo += [error.__cause__, error.__context__]
         for failure in getattr(error, "failures", {}).values():  # DCP's CheckpointException
             todo.append(failure[0] if isinstance(failure, tuple) else failure)
@@ -756,6 +823,13 @@ def write_limit(errors, folder, need_bytes):
     if shutil.disk_usage(folder).free < need_bytes:
         return errno.ENOSPC
     return None
+
+
+def write_limit_error(error, path, need_bytes):
+    """The one-line OSError for a write of path (a file or folder) that failed on a write limit (write_limit, need_bytes
+    about what it writes), else None: train.py's error_line says what was hit and what to do."""
+    hit = write_limit([error], os.path.dirname(os.path.abspath(path)), need_bytes)
+    return None if hit is None else OSError(hit, WRITE_LIMITS[hit][0], path)
 
 
 def limit_detail(hit, folder):
@@ -866,6 +940,25 @@ def newest_in_run(run_dir, verify):
     return path, meta
 
 
+# What an allocator's failure says it asked for: torch's CPU allocator "can't allocate memory: you tried to allocate
+# 400000000000000 bytes", CUDA's OutOfMemoryError "Tried to allocate 20.00 GiB".
+ALLOCATION_FAILURE = re.compile(r"tried to allocate ([\d.]+ ?\w+)", re.IGNORECASE)
+
+
+@contextmanager
+def allocating(what, fix):
+    """A model's memory allocated in the block: the allocator's failure (a RuntimeError, a traceback deep in
+    to_empty) becomes one line saying that what asked for more memory than there is, how much, and the fix."""
+    try:
+        yield
+    except RuntimeError as e:
+        asked = ALLOCATION_FAILURE.search(str(e))
+        if asked is None:
+            raise
+        raise ValueError(f"{what} asks for more memory than there is (the allocator could not get "
+                         f"{asked.group(1)}): {fix}") from None
+
+
 def load_model(path, device="cpu", attn_backend=None, verify=True):
     """The one model-loading path (export and every analysis): (GPT in eval mode, info) where info holds
     the checkpoint's model_config, config, step and data_meta. A run folder gives its newest intact
@@ -880,23 +973,14 @@ def load_model(path, device="cpu", attn_backend=None, verify=True):
         if info is None:
             raise ValueError(f"{path}: damaged checkpoint ({passed[0][1]}); pass another checkpoint")
     if os.path.isfile(path):
-        if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; its error would only say "weights only"
-            raise ValueError(f"{path}: not a torch file (no zip archive in it: random bytes or a truncated copy); "
-                             "pass a .pt made by `python train.py export`, or a checkpoint folder")
-        try:
-            blob = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # a damaged zip, a pickle with code in it
-            raise ValueError(f"{path}: not a readable torch file ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
-                             "pass a .pt made by `python train.py export`, or a checkpoint folder") from None
-        if not isinstance(blob, dict) or "model" not in blob or "model_config" not in blob:
-            raise ValueError(f"{path}: not a smallinit export (needs 'model' and 'model_config'); "
-                             "make one with `python train.py export <ckpt_dir> <file.pt>`")
+        blob = read_export(path)
         info = {k: v for k, v in blob.items() if k != "model"}
     # Built on the meta device: the random init of GPT(cfg) would be overwritten anyway, and at
     # 1.5B it costs a minute and a full extra copy of the weights in host memory.
     with torch.device("meta"):
         net = GPT(GPTConfig(**info["model_config"]))
-    net.to_empty(device=device)  # GPT.to_empty keeps tied embeddings tied
+    with allocating(f"{path}: its model_config", "pass another checkpoint, or load it where that memory is"):
+        net.to_empty(device=device)  # GPT.to_empty keeps tied embeddings tied
     net.reset_buffers()  # non-persistent buffers are not in the checkpoint
     if os.path.isfile(path):
         net.load_state_dict(blob["model"])
@@ -921,17 +1005,74 @@ def load_model(path, device="cpu", attn_backend=None, verify=True):
     return net.eval(), info
 
 
+def read_export(path, device="cpu", follow=True):
+    """The dict a .pt export holds (export's payload), its tensors on device ("meta": the weights are not read);
+    a ValueError says why path is not one. follow=False refuses a symlink (NotOwnFile), as open_regular."""
+    with os.fdopen(open_regular(path, follow=follow), "rb") as f:
+        if not zipfile.is_zipfile(f):  # torch.save writes a zip archive; its error would only say "weights only"
+            raise ValueError(f"{path}: not a torch file (no zip archive in it: random bytes or a truncated copy); "
+                             "pass a .pt made by `python train.py export`, or a checkpoint folder")
+        f.seek(0)
+        try:
+            blob = torch.load(f, map_location=device, weights_only=True)
+        except Exception as e:  # a damaged zip, a pickle with code in it
+            raise ValueError(f"{path}: not a readable torch file ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+                             "pass a .pt made by `python train.py export`, or a checkpoint folder") from None
+    if not isinstance(blob, dict) or "model" not in blob or "model_config" not in blob:
+        raise ValueError(f"{path}: not a smallinit export (needs 'model' and 'model_config'); "
+                         "make one with `python train.py export <ckpt_dir> <file.pt>`")
+    return blob
+
+
+def check_export_target(out_file):
+    """Raise unless export may write out_file: absent, or an earlier export (read_export on the meta device: its
+    weights are not read). A data folder's or a checkpoint's meta.json, a device, a folder or a link there is
+    someone else's, and the rename that puts an export in place would destroy it."""
+    if not out_file:
+        raise ValueError("export: OUT is empty: name the .pt file to write, e.g. model.pt")
+    parent = os.path.dirname(os.path.abspath(out_file))
+    if not os.path.isdir(parent):
+        raise ValueError(f"export: {out_file} is in {parent}, which is not an existing folder: create it or choose "
+                         f"another path")
+    try:
+        mode = os.lstat(out_file).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(mode):
+        what = "a symlink"
+    elif not stat.S_ISREG(mode):
+        what = file_kind(mode)
+    else:
+        try:
+            read_export(out_file, "meta", follow=False)
+            return
+        except (ValueError, OSError):  # not an export, or no longer a plain file since the lstat
+            what = "a file that is not a .pt export"
+    raise ValueError(f"{out_file} exists and is not an earlier export ({what}): choose another path or remove it "
+                     f"yourself")
+
+
 def export(ckpt_dir, out_file):
     """DCP folder -> one torch.save file with the full fp32 model; no process group needed. A run
-    folder gives its newest intact checkpoint (load_model's chooser, as eval and the HF export)."""
+    folder gives its newest intact checkpoint (load_model's chooser, as eval and the HF export).
+    Only an earlier export at out_file is replaced (check_export_target); a write limit is one line."""
+    check_export_target(out_file)  # before the work, not only before the rename
     if not os.path.isdir(ckpt_dir):
         raise ValueError(f"export: {ckpt_dir} is not a complete checkpoint folder nor a run folder; pass an "
                          f"out_dir/ckpt_XXXXXXXX folder or its run folder")
     net, info = load_model(ckpt_dir)  # the one loading path: one process reads every shard
     payload = {"model": net.state_dict(), **{k: info[k] for k in ("model_config", "config", "step", "data_meta",
                                                                  "code_version") if k in info}}
-    with atomic_open(out_file) as f:
-        torch.save(payload, f)
+    need = sum(t.nbytes for t in payload["model"].values())
+    try:
+        with atomic_open(out_file) as f:
+            torch.save(payload, f)
+            check_export_target(out_file)  # again: something may have appeared there while the model was read
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as "unexpected pos", the OSError before
+        limit = write_limit_error(e, out_file, need)
+        if limit is None:
+            raise
+        raise limit from None
     print(f"exported {ckpt_dir} (step {info['step']}) -> {out_file}")
 
 
@@ -946,8 +1087,8 @@ def metrics_rows(path):
     rows = []
     for n, line in enumerate(lines, 1):
         try:
-            row = json.loads(line)
-        except ValueError:  # not JSON, or not UTF-8
+            row = parse_json(line)
+        except ValueError:  # not JSON, not UTF-8, or nested past the decoder's recursion
             row = None
         if type(row) is not dict or type(row.get("step")) is not int:
             if n == len(lines) and not line.endswith(b"\n"):
@@ -1008,6 +1149,12 @@ class Metrics:
             import wandb
             self.run = wandb.init(project=cfg["wandb_project"], dir=cfg["out_dir"], config=cfg,
                                   name=cfg["wandb_run_name"] or os.path.basename(os.path.abspath(cfg["out_dir"])))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def record(self, row):
         for key in self.spent:

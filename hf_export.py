@@ -21,13 +21,10 @@ import json
 import os
 import re
 import shutil
-import signal
 import sys
 import tempfile
-import threading
-from contextlib import contextmanager
 
-from checkpoint import load_model
+from checkpoint import load_model, sigint_held, write_limit_error
 from data import get_tokenizer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -217,25 +214,6 @@ def has_marker(dir_fd):
         return f.read(len(MARKER_BYTES) + 1) == MARKER_BYTES
 
 
-@contextmanager
-def sigint_held():
-    """SIGINT held back for the block and delivered to its own handler at the end (a KeyboardInterrupt
-    raised there). A swapped handler, not a blocked signal: the kernel would hand a signal blocked in this
-    thread to another one (torch's workers), whose C handler still makes Python raise it here. Only the
-    main thread sees KeyboardInterrupt, so elsewhere there is nothing to hold."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if caught:
-            signal.raise_signal(signal.SIGINT)
-
-
 def put_in_place(tmp, out_dir):
     """Rename the finished folder tmp to out_dir. What was there is renamed aside under a name of its
     own and deleted only once tmp is in place: a death in between leaves it whole beside out_dir, and
@@ -293,6 +271,8 @@ def write_folder(out_dir, write):
 
 def export_hf(ckpt, out_dir, tokenizer_dir=None):
     """Write CKPT (any checkpoint checkpoint.load_model loads) as a transformers folder; returns the architecture."""
+    if not out_dir:  # abspath would make it the current folder, and the refusal would advise removing that
+        raise ValueError("export: OUT_DIR is empty: name the folder to write, e.g. out/hf/model")
     check_replaceable(os.path.abspath(out_dir))  # before the work, not only before the rename
     require("transformers", "the config and tokenizer classes")
     safetensors_torch = require("safetensors.torch", "writes model.safetensors")
@@ -322,7 +302,15 @@ def export_hf(ckpt, out_dir, tokenizer_dir=None):
         if enc is not None:
             hf_tokenizer(enc, cfg.max_seq_len).save_pretrained(folder)
 
-    write_folder(out_dir, write)
+    try:
+        write_folder(out_dir, write)
+    except ValueError:  # a refusal (check_replaceable), not a failed write
+        raise
+    except Exception as e:  # safetensors and tokenizers report a failed write in errors of their own
+        limit = write_limit_error(e, out_dir, sum(v.nbytes for v in state.values()))
+        if limit is None:
+            raise
+        raise limit from None
     why = "" if arch == "LlamaForCausalLM" else f" with {MODELING_FILE} (trust_remote_code=True): " + \
         "; ".join(llama_obstacles(cfg))
     print(f"exported {info['path']} (step {info.get('step')}) -> {out_dir} as {arch}{why}"

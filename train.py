@@ -35,8 +35,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from analysis import cosine_stats, row_cosines, stable_rank
-from checkpoint import (WRITE_LIMITS, Metrics, RunDirError, complete_checkpoints, diverged_hint, export, naming,
-                        open_run_dir, resume_run, save_checkpoint)
+from checkpoint import (WRITE_LIMITS, Metrics, RunDirError, allocating, complete_checkpoints, diverged_hint, export,
+                        naming, not_own_file, open_run_dir, resume_run, save_checkpoint, sigint_held)
 from configurator import configure, settings_help, unknown_key
 from data import TokenLoader, check_model_vocab, check_token_ids, data_fingerprint
 from fileio import write_json
@@ -170,78 +170,79 @@ def train(cfg):
     track = tracked_weights(net, cfg, mcfg.n_layer)
     step, resumed, changes, meta = resume_run(cfg, done, net, opt, loader, mcfg, data_fp, log0)
     save_config(cfg, rank, meta, None if resumed else init_report)
-    metrics = Metrics(cfg, rank, step if resumed else None)
-    try:  # closed on every way out: a tensorboard writer or wandb run is a thread of its own
-        if changes:
-            metrics.record({"step": step, "resume_changes": changes})
-        peak, source = matmul_peak(cfg, device)
-        log0(f"MFU against a peak of {peak / 1e12:.3g} TFLOP/s per device ({source})" if peak else
-             f"MFU not reported: unknown peak for {source}; set --peak_flops")
-        fpt = net.flops_per_token(cfg["seq_len"])
-        last_ckpt = resumed
-        if not resumed:
-            metrics.record(evaluation(net, val_loader, cfg, device, step, track))
-            if bench:
-                metrics.record(bench(net, step))
-            if 0 in cfg["keep_steps"]:
-                last_ckpt = save_and_record(cfg, step, net, opt, loader, meta, last_ckpt, metrics, " (the init)")
-        start, since, train_time = step, (step, 0.0), 0.0  # training time only: no eval/checkpoints
-        while step < cfg["max_steps"]:
-            t0 = time.time()
-            lr = lr_at(cfg, step)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            x, y = loader.next_batch()
-            # Gradients sync on the last micro-step only: a batch of another size would skip or repeat the sync.
-            assert len(x) == accum * cfg["batch_size"], (len(x), accum, cfg["batch_size"])
-            n_total = (y != -1).sum().to(device)
-            dist.all_reduce(n_total)  # loss tokens in the global batch
-            loss_sum = torch.zeros((), device=device)
-            aux_sum = torch.zeros((), device=device)  # MoE balance loss, averaged like the LM loss
-            for m, (xb, yb) in enumerate(zip(x.split(cfg["batch_size"]), y.split(cfg["batch_size"]))):
-                # FSDP2: reduce-scatter gradients only after the last micro-step.
-                net.set_requires_gradient_sync(m == accum - 1)
-                _, loss = net(xb.to(device, non_blocking=True), yb.to(device, non_blocking=True))
-                if step + 1 == cfg["debug_nan_step"]:
-                    loss = loss * float("nan")
-                # Weight by this micro-batch's share of the global batch's loss tokens: the update is
-                # then the gradient of the global token mean for any split. FSDP averages over ranks,
-                # so undo that division with * world.
-                share = (yb != -1).sum().to(device) / n_total
-                (loss * share * world).backward()
-                loss_sum += loss.detach() * share
-                if net.aux_loss is not None:
-                    aux_sum += net.aux_loss / (accum * world)
-            dist.all_reduce(loss_sum)
-            dist.all_reduce(aux_sum)
-            grads = [p.grad for p in net.parameters() if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads)
-            if isinstance(norm, DTensor):
-                norm = norm.full_tensor()  # sum of the shards' squares over ranks: the global norm
-            if cfg["grad_clip"] > 0:
-                torch.nn.utils.clip_grads_with_norm_(grads, cfg["grad_clip"], norm)
-            loss_val, norm_val = torch.stack([loss_sum, norm.to(loss_sum)]).tolist()  # one sync per step
-            if not (math.isfinite(loss_val) and math.isfinite(norm_val)):
-                raise FloatingPointError(f"non-finite loss {loss_val} / grad norm {norm_val} at step {step + 1}; the "
-                                         f"update was not applied. {diverged_hint(last_ckpt)}")
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            moe_counts = net.update_moe_bias(all_reduce=dist.all_reduce)
-            step += 1
-            train_time += time.time() - t0
-            # The first line is a sign of life before log_interval steps (minutes on CPU).
-            since = log_step(cfg, metrics, device, step, step == start + 1, since, train_time,
-                             lr, loss_val, norm_val, moe_counts, aux_sum, fpt, peak * world)
-            if step % cfg["eval_interval"] == 0 or step == cfg["max_steps"]:
+    # Metrics is closed on every way out (a tensorboard writer or wandb run is a thread of its own), inside the
+    # Ctrl-C handler: a Ctrl-C during the close (wandb's finish uploads) still names the step reached.
+    try:
+        with Metrics(cfg, rank, step if resumed else None) as metrics:
+            if changes:
+                metrics.record({"step": step, "resume_changes": changes})
+            peak, source = matmul_peak(cfg, device)
+            log0(f"MFU against a peak of {peak / 1e12:.3g} TFLOP/s per device ({source})" if peak else
+                 f"MFU not reported: unknown peak for {source}; set --peak_flops")
+            fpt = net.flops_per_token(cfg["seq_len"])
+            last_ckpt = resumed
+            if not resumed:
                 metrics.record(evaluation(net, val_loader, cfg, device, step, track))
-            if bench and (step % cfg["bench_interval"] == 0 or step == cfg["max_steps"]):
-                metrics.record(bench(net, step))  # on every rank: FSDP's all-gathers are collective
-            if step % cfg["ckpt_interval"] == 0 or step == cfg["max_steps"] or step in cfg["keep_steps"]:
-                last_ckpt = save_and_record(cfg, step, net, opt, loader, meta, last_ckpt, metrics)
+                if bench:
+                    metrics.record(bench(net, step))
+                if 0 in cfg["keep_steps"]:
+                    last_ckpt = save_and_record(cfg, step, net, opt, loader, meta, last_ckpt, metrics, " (the init)")
+            start, since, train_time = step, (step, 0.0), 0.0  # training time only: no eval/checkpoints
+            while step < cfg["max_steps"]:
+                t0 = time.time()
+                lr = lr_at(cfg, step)
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                x, y = loader.next_batch()
+                # Gradients sync on the last micro-step only: a batch of another size would skip or repeat the sync.
+                assert len(x) == accum * cfg["batch_size"], (len(x), accum, cfg["batch_size"])
+                n_total = (y != -1).sum().to(device)
+                dist.all_reduce(n_total)  # loss tokens in the global batch
+                loss_sum = torch.zeros((), device=device)
+                aux_sum = torch.zeros((), device=device)  # MoE balance loss, averaged like the LM loss
+                for m, (xb, yb) in enumerate(zip(x.split(cfg["batch_size"]), y.split(cfg["batch_size"]))):
+                    # FSDP2: reduce-scatter gradients only after the last micro-step.
+                    net.set_requires_gradient_sync(m == accum - 1)
+                    _, loss = net(xb.to(device, non_blocking=True), yb.to(device, non_blocking=True))
+                    if step + 1 == cfg["debug_nan_step"]:
+                        loss = loss * float("nan")
+                    # Weight by this micro-batch's share of the global batch's loss tokens: the update is
+                    # then the gradient of the global token mean for any split. FSDP averages over ranks,
+                    # so undo that division with * world.
+                    share = (yb != -1).sum().to(device) / n_total
+                    (loss * share * world).backward()
+                    loss_sum += loss.detach() * share
+                    if net.aux_loss is not None:
+                        aux_sum += net.aux_loss / (accum * world)
+                dist.all_reduce(loss_sum)
+                dist.all_reduce(aux_sum)
+                grads = [p.grad for p in net.parameters() if p.grad is not None]
+                norm = torch.nn.utils.get_total_norm(grads)
+                if isinstance(norm, DTensor):
+                    norm = norm.full_tensor()  # sum of the shards' squares over ranks: the global norm
+                if cfg["grad_clip"] > 0:
+                    torch.nn.utils.clip_grads_with_norm_(grads, cfg["grad_clip"], norm)
+                loss_val, norm_val = torch.stack([loss_sum, norm.to(loss_sum)]).tolist()  # one sync per step
+                if not (math.isfinite(loss_val) and math.isfinite(norm_val)):
+                    raise FloatingPointError(f"non-finite loss {loss_val} / grad norm {norm_val} at step {step + 1}; "
+                                             f"the update was not applied. {diverged_hint(last_ckpt)}")
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                moe_counts = net.update_moe_bias(all_reduce=dist.all_reduce)
+                step += 1
+                train_time += time.time() - t0
+                # The first line is a sign of life before log_interval steps (minutes on CPU).
+                since = log_step(cfg, metrics, device, step, step == start + 1, since, train_time,
+                                 lr, loss_val, norm_val, moe_counts, aux_sum, fpt, peak * world)
+                if step % cfg["eval_interval"] == 0 or step == cfg["max_steps"]:
+                    metrics.record(evaluation(net, val_loader, cfg, device, step, track))
+                if bench and (step % cfg["bench_interval"] == 0 or step == cfg["max_steps"]):
+                    metrics.record(bench(net, step))  # on every rank: FSDP's all-gathers are collective
+                if step % cfg["ckpt_interval"] == 0 or step == cfg["max_steps"] or step in cfg["keep_steps"]:
+                    last_ckpt = save_and_record(cfg, step, net, opt, loader, meta, last_ckpt, metrics)
     except KeyboardInterrupt:
         raise Interrupted(interrupted_line(cfg, step)) from None
-    finally:
-        metrics.close()
+    return step
 
 
 # ----------------------------------------------------------------------------- model, optimizer, data
@@ -297,8 +298,12 @@ def build_model(cfg, mcfg, device):
         # The last block is needed again right away by backward: don't free its params.
         fully_shard(block, mp_policy=mp, reshard_after_forward=i < len(net.layers) - 1)
     fully_shard(net, mp_policy=mp)
-    net.to_empty(device=device)
-    report = init_model_(net, gamma=cfg["gamma"], seed=cfg["seed"], overrides=cfg["init_overrides"] or None)
+    n = sum(p.numel() for p in net.parameters())
+    with allocating(f"config: model_size={cfg['model_size']!r}, model={cfg['model']}: the model ({n:,} parameters, "
+                    f"{n * 4 / 2**30:.3g} GiB in fp32)",
+                    "choose a smaller model (--dry_run=N prints the memory a size needs on N GPUs)"):
+        net.to_empty(device=device)
+        report = init_model_(net, gamma=cfg["gamma"], seed=cfg["seed"], overrides=cfg["init_overrides"] or None)
     return net, report
 
 
@@ -365,9 +370,12 @@ def save_config(cfg, rank, meta, init_report):
         return
     log0(json.dumps(cfg, indent=1))
     config_file = os.path.join(cfg["out_dir"], "config.json")
-    with naming(config_file):
-        write_json(config_file, {**meta["config"], "resume_changes": meta["resume_changes"],
-                                 "code_version": meta["code_version"]})
+    try:
+        with naming(config_file):
+            write_json(config_file, {**meta["config"], "resume_changes": meta["resume_changes"],
+                                     "code_version": meta["code_version"]})
+    except IsADirectoryError:  # the rename into place fails only now, with a bare EISDIR
+        raise not_own_file(config_file, "a folder") from None
     if init_report is not None:
         log0(format_report(init_report))
 
@@ -657,16 +665,21 @@ def main(argv):
     if "--help" in argv or "-h" in argv:
         print(usage())
         return
-    config = load_config(argv)
-    if config["dry_run"]:
-        print_plan(config, config["dry_run"])
-        return
     try:
-        train(config)
-    except KeyboardInterrupt:  # Ctrl-C before the first step
+        config = load_config(argv)  # runs the config files' code
+        if config["dry_run"]:
+            print_plan(config, config["dry_run"])
+            return
+    except KeyboardInterrupt:
+        raise Interrupted("interrupted before the run started; nothing was written") from None
+    try:
+        step = train(config)
+    except KeyboardInterrupt:  # Ctrl-C before the first step (train() names the step from then on)
         raise Interrupted(interrupted_line(config, None)) from None
     finally:
-        close_distributed()
+        held = close_distributed()
+    if held:  # Ctrl-C while the finished run was torn down: held back until that was done
+        raise Interrupted(interrupted_line(config, step))
 
 
 def export_command(argv):
@@ -715,13 +728,16 @@ def close_distributed():
     an error's traceback), and DTensor's caches (sharding propagation, redistribute plans, mesh
     topology), which keep the run's device meshes, each holding its groups. The interpreter's exit
     would race those threads and abort (SIGABRT, exit code 134) instead of exiting with the run's
-    status. Called again once the error is handled and its frames are gone."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    gc.collect()  # the model and optimizer: FSDP2 holds them in reference cycles
-    for obj in gc.get_objects():
-        if type(obj) is DeviceMesh:  # not isinstance: it would touch every object's deprecated attributes
-            getattr(obj, "_pg_registry", {}).clear()
+    status. Called again once an error is handled and its frames are gone. Ctrl-C is held back
+    meanwhile, for the same reason: returns whether one came (the caller's to report)."""
+    with sigint_held(deliver=False) as caught:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()  # the model and optimizer: FSDP2 holds them in reference cycles
+        for obj in gc.get_objects():
+            if type(obj) is DeviceMesh:  # not isinstance: it would touch every object's deprecated attributes
+                getattr(obj, "_pg_registry", {}).clear()
+    return bool(caught)
 
 
 # ----------------------------------------------------------------------------- error lines
@@ -749,9 +765,10 @@ def error_line(e):
 
 
 if __name__ == "__main__":
-    status = 0
+    status = 1  # main() raised what no clause below handles: its traceback, then this
     try:
         main(sys.argv[1:])
+        status = 0
     # Bad input, a busy or changed run folder, a diverged run, a full disk: one line, no traceback.
     except (ValueError, FloatingPointError, RunDirError) as e:
         status = str(e)
@@ -762,5 +779,8 @@ if __name__ == "__main__":
             print(e, file=sys.stderr)
         status = 128 + signal.SIGINT
     finally:
-        close_distributed()  # after the except clauses: the error's traceback no longer holds the model
+        # After the except clauses: the error's traceback no longer holds the model (main() closed the group on
+        # its way out). A Ctrl-C during this close is dropped: the outcome is decided.
+        if status:
+            close_distributed()
     sys.exit(status)
