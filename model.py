@@ -862,6 +862,11 @@ def generate(model, prompt, max_new_tokens, num_samples=1, temperature=0.0, top_
     return model.generate(idx, max_new_tokens, temperature, top_k, gen, stop)
 
 
+# The largest γ train.py and eval.py accept: d^-3 is already 4e-6 at d=64, and γ=50 underflows every
+# weight to exactly 0 in fp32 (train.py's `gamma` setting says more).
+GAMMA_MAX = 3.0
+
+
 def init_model_(model, gamma=1.0, seed=0, overrides=None):
     """γ-initialise every parameter (see init.py) and reset the MoE buffers; returns the report.
     Identical weights for any world size, and valid after building on meta + to_empty()."""

@@ -42,7 +42,7 @@ from data import TokenLoader, check_model_vocab, check_token_ids, data_fingerpri
 from fileio import write_json
 from init import check_overrides, format_report
 from downstream import open_training_bench
-from model import ATTN_BACKENDS, GPT, compile_model_, config_for, init_model_, load_varlen, loss_tail_bytes
+from model import ATTN_BACKENDS, GAMMA_MAX, GPT, compile_model_, config_for, init_model_, load_varlen, loss_tail_bytes
 
 # ----------------------------------------------------------------------------- defaults
 _IMPORTED = set(globals())  # the settings are the names assigned below, not every public name imported above
@@ -113,7 +113,6 @@ debug_nan_step = 0              # test knob: poison the loss at this step (0: ne
 DEFAULTS = {k: v for k, v in globals().items()
             if k not in _IMPORTED and not k.startswith("_") and type(v) in (int, float, bool, str, list, tuple, dict)}
 SCHEDULES = ("cosine", "wsd")
-GAMMA_MAX = 3.0  # the largest γ a run accepts (see gamma's comment above)
 FP32 = torch.finfo(torch.float32)  # AdamW's state and the parameters it updates (bf16 is only a compute copy)
 
 # ----------------------------------------------------------------------------- checks of the settings
