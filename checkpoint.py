@@ -55,7 +55,7 @@ from torch.distributed.tensor import DTensor
 
 from model import GPT, GPTConfig
 from fileio import (WRITE_LIMITS, NotOwnFile, atomic_open, atomic_write_bytes, file_kind, naming, open_nofollow,
-                    open_regular, parse_json, read_json, sha256_file, write_json)
+                    open_regular, parse_json, read_json, sha256_file, sha256_of, write_json)
 
 # ----------------------------------------------------------------------------- reading without running code
 # DCP unpickles .metadata with plain pickle.load and torch.loads its byte entries (the optimizer's
@@ -373,7 +373,7 @@ def checksum_problem(path, meta, rank=0, world=1):
     for name in names[rank::world]:
         try:
             with os.fdopen(open_in_checkpoint(os.path.join(path, name)), "rb") as f:
-                digest = hashlib.file_digest(f, "sha256").hexdigest()
+                digest = sha256_of(f)
         except FileNotFoundError:
             return f"{name} is missing"
         except DamagedCheckpoint as e:

@@ -307,8 +307,7 @@ def data_fingerprint(data_dir, meta):
         if stored:
             sha = stored[i]
         else:
-            with open(path, "rb") as f:
-                sha = hashlib.file_digest(f, "sha256").hexdigest()
+            sha = sha256_file(path)
         digest.update(f"{split}/{os.path.basename(path)}:{sha}\n".encode())
     return digest.hexdigest()
 

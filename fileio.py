@@ -15,12 +15,18 @@ import tempfile
 from contextlib import contextmanager
 
 
-def sha256_file(path):
+def sha256_of(f):
+    """The sha256 of an open binary file from where it stands, read in blocks (hashlib.file_digest is
+    Python 3.11+; the project runs on 3.10)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    for block in iter(lambda: f.read(1 << 20), b""):
+        h.update(block)
     return h.hexdigest()
+
+
+def sha256_file(path):
+    with open(path, "rb") as f:
+        return sha256_of(f)
 
 
 @contextmanager

@@ -46,7 +46,7 @@ import numpy as np
 from anchor import ANCHOR_SHIFTS, PAIRS, AnchorTask, anchor_records, anchor_vocab, check_anchor_task
 from configurator import at_least
 from data import FORMAT_VERSION, HEADER, HEADER_BYTES, MAGIC, get_tokenizer, is_int, progress_bar, read_meta
-from fileio import NotOwnFile, atomic_open, atomic_write_bytes, file_kind, naming, open_nofollow, parse_json
+from fileio import NotOwnFile, atomic_open, atomic_write_bytes, file_kind, naming, open_nofollow, parse_json, sha256_of
 
 
 def usable_cores():
@@ -695,7 +695,7 @@ def read_cache(source, cache_dir, dtype, fingerprint):
         # The sizes first: a cache cut short (a full disk) is the common damage, and says so
         if os.fstat(f.fileno()).st_size != lengths.sum() * np.dtype(dtype).itemsize:
             return None, "cached tokens are incomplete"
-        if hashlib.file_digest(f, "sha256").hexdigest() != sums["tokens"]:
+        if sha256_of(f) != sums["tokens"]:
             return None, f"{tokens_path} does not match the sha256 that {done} records"
         return (np.memmap(f, dtype, "r"), lengths), None  # the file checked, not whatever its name holds now
 
