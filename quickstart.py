@@ -13,20 +13,34 @@ instead of the composite x-10. A model that composed the single-anchor rules ans
 ("inferential"); one that copied the mirror pair's answer says x-6 ("symmetric").
 """
 
-import argparse
-import json
 import os
+import signal
+import sys
+
+
+def interrupted_while_starting(signum, frame):
+    print("quickstart: interrupted while starting, before anything ran; rerun the same command",
+          file=sys.stderr, flush=True)
+    os._exit(128 + signum)  # nothing is written yet, and an extension module's half-run init need not unwind
+
+
+if __name__ == "__main__":
+    # Ctrl-C while torch and the project load (seconds) would end in a traceback from inside an import:
+    # until the script's own handling is in place (sweep.stoppable), it ends the quickstart here in one line.
+    signal.signal(signal.SIGINT, interrupted_while_starting)
+
+import argparse
 import re
 import shutil
 import subprocess
-import sys
-import threading
 import time
 
 from anchor import AnchorTask
+from checkpoint import RunDirError, metrics_rows
 from fileio import write_json
 from prepare_data import usable_cores
 from report import cpu_name, pyplot, save_figure
+from sweep import check_outputs, child_pool, end_child, read_object, start_child, stoppable
 from train import load_config
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -72,17 +86,16 @@ def config_overrides(config, wanted):
 
 
 def run_logged(cmd, log_path, prefix, show):
-    """Run cmd with its output in log_path; print the lines `show` accepts, prefixed.
-    Returns (exit code, wall seconds)."""
+    """Run cmd (in its own session: sweep.start_child) with its output in log_path; print the lines
+    `show` accepts, prefixed. Returns (exit code, wall seconds)."""
     t0 = time.time()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=CHILD_ENV)
+        proc = start_child(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=CHILD_ENV)
         for line in proc.stdout:
             log.write(line)
             if show(line):
                 print(f"{prefix}{line.rstrip()}", flush=True)
-        code = proc.wait()
+        code = end_child(proc)
     return code, time.time() - t0
 
 
@@ -95,31 +108,39 @@ def check(code, what, log_path):
 
 
 def train_all(runs, out, data_dir, extra, jobs):
-    """Both trainings, `jobs` at a time (one per core: they are independent). Returns wall seconds per run."""
-    done = {}  # name -> (exit code, wall seconds, log path)
-
+    """Both trainings, `jobs` at a time (one per core: they are independent; the threads only wait on
+    them). Returns wall seconds per run."""
     def train_one(name, config, overrides):
-        log = os.path.join(out, f"{name}.log")
         cmd = [sys.executable, "train.py", config, f"--out_dir={os.path.join(out, name)}",
                f"--data_dir={data_dir}", "--resume=False", *overrides, *extra]
-        done[name] = (*run_logged(cmd, log, f"[{name}] ", PROGRESS.match), log)
+        return run_logged(cmd, os.path.join(out, f"{name}.log"), f"[{name}] ", PROGRESS.match)
 
-    pending = list(runs)
-    while pending:
-        batch, pending = pending[:jobs], pending[jobs:]
-        threads = [threading.Thread(target=train_one, args=item) for item in batch]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    for name, (code, _, log) in done.items():
-        check(code, f"training {name}", log)
-    return {name: wall for name, (_, wall, _) in done.items()}
+    with child_pool(jobs) as pool:
+        futures = {name: pool.submit(train_one, name, config, overrides) for name, config, overrides in runs}
+        done = {name: future.result() for name, future in futures.items()}  # name -> (exit code, wall seconds)
+    for name, (code, _) in done.items():
+        check(code, f"training {name}", os.path.join(out, f"{name}.log"))
+    return {name: wall for name, (_, wall) in done.items()}
+
+
+# The summary numbers of eval.py bench --task anchor that the table shows.
+SCORES = ("heldout_inferential", "heldout_symmetric", "heldout_other", "seen_pair_acc", "test_key_acc")
+
+
+def read_scores(path):
+    """The summary in eval.py bench's --json-out, refused in one line unless it holds every score as a number."""
+    try:
+        summary = read_object(path, {"summary": dict})["summary"]
+        wrong = [key for key in SCORES if type(summary.get(key)) not in (int, float)]
+        if wrong:
+            raise ValueError(f"summary's {', '.join(wrong)} missing or not a number")
+    except ValueError as e:
+        raise ValueError(f"{path} is not eval.py bench's result ({e}): rerun the same command") from None
+    return summary
 
 
 def read_metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = [row for _, row in metrics_rows(os.path.join(run_dir, "metrics.jsonl"))]
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
     return train, val
@@ -167,6 +188,14 @@ def plot(results, curves, path):
     return True
 
 
+def outputs(out):
+    """[(path, "file" or "folder")] of everything the quickstart writes in out, for sweep.check_outputs."""
+    folders = [out, os.path.join(out, "data"), *[os.path.join(out, name) for name, _, _ in RUNS]]
+    files = ["data.log", "quickstart.json", "quickstart.png",
+             *[f"{name}{end}" for name, _, _ in RUNS for end in (".log", "_eval.log", "_anchor.json")]]
+    return [(folder, "folder") for folder in folders] + [(os.path.join(out, file), "file") for file in files]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="out/quickstart", help="folder for data, runs, logs, table and plot")
@@ -184,6 +213,7 @@ def main(argv=None):
     settings = {**SETTINGS, **(SMOKE_SETTINGS if args.smoke else {})}
     data = {**DATA, **(SMOKE_DATA if args.smoke else {})}
     t_start = time.time()
+    check_outputs(outputs(out), "move it away or choose another --out")
     os.makedirs(out, exist_ok=True)
     for name, _, _ in RUNS:  # train.py resumes from checkpoints; the quickstart always starts fresh
         shutil.rmtree(os.path.join(out, name), ignore_errors=True)
@@ -212,8 +242,7 @@ def main(argv=None):
         cmd = [sys.executable, "eval.py", "bench", run_dir, "--task", "anchor", "--data", data_dir,
                "--device", "cpu", "--json-out", scores]
         check(run_logged(cmd, log, "", lambda line: False)[0], f"eval.py bench on {name}", log)
-        with open(scores) as f:
-            summary = json.load(f)["summary"]
+        summary = read_scores(scores)
         curves[name] = read_metrics(run_dir)
         results.append({"name": name, "label": label, "inferential": summary["heldout_inferential"],
                         "symmetric": summary["heldout_symmetric"], "other": summary["heldout_other"],
@@ -236,6 +265,8 @@ def main(argv=None):
 
 if __name__ == "__main__":
     try:
-        main()
-    except ValueError as e:  # train.py's config check (config_overrides): one line, no traceback
+        stoppable(main, "quickstart: stopped by {signal}, and the runs it had started with it; the same command "
+                        "starts it over")
+    # train.py's config check (config_overrides), an output path in the way, a damaged result: one line
+    except (ValueError, RunDirError) as e:
         raise SystemExit(f"quickstart: {e}") from None

@@ -17,28 +17,42 @@ by side), so a sweep never changes the code path a single `python train.py` take
 
 A sweep holds a lock on each point it works on (run folder's sweep.lock): a second sweep of the
 same name skips the points the first one is running (reported as skipped, busy) instead of
-failing on them. SIGTERM or SIGINT stops the running points' processes before the sweep exits;
+failing on them. SIGTERM, SIGINT or SIGHUP stops the running points' processes before the sweep exits;
 on Linux they are also stopped when the sweep is SIGKILLed.
 """
+
+import os
+import signal
+import sys
+
+
+def interrupted_while_starting(signum, frame):
+    print("sweep: interrupted while starting, before any point ran; the same command runs the sweep",
+          file=sys.stderr, flush=True)
+    os._exit(128 + signum)  # nothing is written yet, and an extension module's half-run init need not unwind
+
+
+if __name__ == "__main__":
+    # Ctrl-C while torch and the project load (seconds) would end in a traceback from inside an import:
+    # until the script's own handling is in place (stoppable), it ends the sweep here in one line.
+    signal.signal(signal.SIGINT, interrupted_while_starting)
 
 import argparse
 import ctypes
 import fcntl
 import glob
 import itertools
-import json
-import os
 import platform
-import signal
+import stat
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
 
 from checkpoint import RunDirError, code_version, metrics_rows, newest_in_run, open_in_run_dir
 from configurator import at_least, parse_value  # a grid value is read as train.py reads --key=value
-from fileio import open_nofollow, write_json
+from fileio import file_kind, open_regular, parse_json, write_json
 from report import cpu_name
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -158,7 +172,11 @@ def eval_commands(args, run_dir):
     anchor is `eval.py bench --task anchor` on the run's own data (the held-out pair's answers)."""
     return {name: ["eval.py", *(["bench", run_dir, "--task", "anchor"] if name == "anchor"
                                 else [name, run_dir, "--tokens", str(args.eval_tokens)]),
-                   "--json-out", os.path.join(run_dir, f"eval_{name}.json")] for name in args.eval}
+                   "--json-out", eval_json(run_dir, name)] for name in args.eval}
+
+
+def eval_json(run_dir, name):
+    return os.path.join(run_dir, f"eval_{name}.json")
 
 
 def git_commit():
@@ -181,17 +199,50 @@ def trained_data_fingerprint(run_dir):
     return newest_in_run(run_dir, verify=False)[1].get("data_fingerprint")
 
 
+# What a JSON value is, as a message names it.
+JSON_KINDS = {list: "an array", str: "a string", bool: "true or false", int: "a number", float: "a number",
+              type(None): "null"}
+
+
+def read_object(path, fields, follow=True):
+    """The JSON object in path, a file a run wrote, with `fields` ({key: type}) of those types. Anything
+    else is a ValueError saying what the file is instead: not a plain file (a FIFO would block the read
+    forever; follow=False refuses a symlink), not JSON (also JSON nested past what the decoder follows), or
+    another JSON value: read as it is, it would end the launcher in a traceback or go wrong into its results."""
+    try:
+        with os.fdopen(open_regular(path, follow=follow), "rb") as f:
+            obj = parse_json(f.read())
+    except OSError as e:  # missing, a folder, a FIFO, a link not followed
+        raise ValueError(e.strerror) from None
+    except ValueError as e:  # not JSON, not UTF-8
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{JSON_KINDS[type(obj)]}, not an object")
+    wrong = [k for k, kind in fields.items() if not isinstance(obj.get(k), kind)]
+    if wrong:
+        raise ValueError(f"{', '.join(wrong)} missing or of the wrong type")
+    return obj
+
+
+def run_output(path, fields):
+    """read_object of a file train.py or eval.py wrote in a run folder, a damaged one refused in one line."""
+    try:
+        return read_object(path, fields)
+    except ValueError as e:
+        raise ValueError(f"{path} is not the file train.py or eval.py writes ({e}): remove it and rerun this "
+                         "command to redo the point") from None
+
+
 def point_result(args, point, run_dir, wall_s, command):
     """The result row of a finished point, from its run folder."""
-    with open(os.path.join(run_dir, "config.json")) as f:
-        config = json.load(f)
+    config = run_output(os.path.join(run_dir, "config.json"), {})
     metrics = [row for _, row in metrics_rows(os.path.join(run_dir, "metrics.jsonl"))]
     train_rows = [r for r in metrics if "loss" in r]
     val_rows = [r for r in metrics if "val_loss" in r]
     evals = {}
     for name in args.eval:
-        with open(os.path.join(run_dir, f"eval_{name}.json")) as f:
-            result = json.load(f)
+        fields = {"summary": dict, "rows": list} if name == "loss" else {"summary": dict}
+        result = run_output(eval_json(run_dir, name), fields)
         evals[name] = {"summary": result["summary"], "rows": result["rows"] if name == "loss" else None}
     return {"point": point["name"], "arm": point["arm"], "arm_configs": point["configs"], "arm_set": point["arm_set"],
             "setting": point["setting"],
@@ -225,17 +276,19 @@ def lock_point(run_dir):
     return fd
 
 
-# The points' running processes, for stop_children. Each runs in its own session (process
-# group): a signal sent to the sweep's group (Ctrl-C in a terminal) does not reach them
-# half-way through a checkpoint; the sweep stops each group as a whole, itself.
+# The running child processes (a sweep's points, the quickstart's steps), for stop_children. Each
+# runs in its own session (process group): a signal sent to the launcher's group (Ctrl-C in a
+# terminal) does not reach them half-way through a checkpoint; the launcher stops each group as a
+# whole, itself.
 CHILDREN, CHILDREN_LOCK, STOPPING = set(), threading.Lock(), threading.Event()
 LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 PR_SET_PDEATHSIG = 1
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # kill PID, Ctrl-C, a closed terminal
 
 
-def die_with_sweep():
+def die_with_parent():
     """Runs in the child before it execs (Linux): SIGTERM when the thread that started it dies,
-    which covers a SIGKILLed sweep, the one death no handler sees. A sweep that died before
+    which covers a SIGKILLed launcher, the one death no handler sees. A launcher that died before
     the request took effect has already orphaned the child: it exits instead."""
     parent = os.getpid()
 
@@ -246,25 +299,29 @@ def die_with_sweep():
     return request if LIBC is not None else None
 
 
-def run_child(cmd, log, env):
-    """Run cmd to the end in its own session; its exit code. Nothing starts once the sweep is
-    stopping."""
+def start_child(cmd, **popen):
+    """subprocess.Popen(cmd, **popen) in its own session, known to stop_children until end_child.
+    Nothing starts once the launcher is stopping."""
     with CHILDREN_LOCK:  # with stop_children's, so no child starts unseen by it
         if STOPPING.is_set():
-            raise RuntimeError("the sweep is stopping")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=die_with_sweep())
+            raise RuntimeError("stopping: no new process starts")
+        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent(), **popen)
         CHILDREN.add(proc)
-    try:
-        return proc.wait()
-    finally:
-        with CHILDREN_LOCK:
-            CHILDREN.discard(proc)
+    return proc
+
+
+def end_child(proc):
+    """proc's exit code, once it has ended. Not in a finally: a child whose waiter was cut short
+    (Stopped, raised in the main thread) must stay known to stop_children."""
+    code = proc.wait()
+    with CHILDREN_LOCK:
+        CHILDREN.discard(proc)
+    return code
 
 
 def stop_children(grace_s=10):
-    """SIGTERM every running point's process group, SIGKILL what still runs after grace_s, and
-    wait for them: a stopped sweep leaves no training behind to hold the run folder."""
+    """SIGTERM every running child's process group, SIGKILL what still runs after grace_s, and
+    wait for them: a stopped launcher leaves no training behind to hold a run folder."""
     STOPPING.set()
     with CHILDREN_LOCK:
         running = list(CHILDREN)
@@ -283,6 +340,51 @@ def stop_children(grace_s=10):
         running = [proc for proc in running if proc.returncode is None]
         if not running:
             return
+
+
+class Stopped(BaseException):
+    """One of STOP_SIGNALS arrived: raised in the main thread wherever it was (stoppable). Not an
+    Exception, so no `except Exception` on the way catches it."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def stoppable(main, stopped_line):
+    """main() with STOP_SIGNALS stopping it: the children still running when it ends in any exception are
+    stopped and waited for (no orphan keeps training), and a signal ends the process with one line,
+    stopped_line.format(signal=its name), and the shell's 128 + its number. Only the first signal raises:
+    a second Ctrl-C can't cut the stopping of the children short."""
+    stopping = []  # not empty once a signal has arrived or main() has ended in an exception
+
+    def stop(signum, frame):
+        if not stopping:
+            stopping.append(signum)
+            raise Stopped(signum)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop)
+    try:
+        main()
+    except BaseException as e:
+        stopping.append(e)  # a signal from here on is absorbed
+        stop_children()
+        if not isinstance(e, Stopped):
+            raise
+        print(stopped_line.format(signal=signal.Signals(e.signum).name), file=sys.stderr, flush=True)
+        sys.exit(128 + e.signum)
+
+
+@contextmanager
+def child_pool(jobs):
+    """A ThreadPoolExecutor whose threads wait on children: on an exception (Stopped) its exit, which
+    waits for the threads, would wait for their children to end by themselves; they are stopped first."""
+    with ThreadPoolExecutor(jobs) as pool:
+        try:
+            yield pool
+        except BaseException:
+            stop_children()
+            raise
 
 
 def run_point(args, point, run_dir):
@@ -305,7 +407,7 @@ def run_point(args, point, run_dir):
             for cmd in [train, *evals]:
                 log.write(f"$ {' '.join(cmd)}\n")
                 log.flush()
-                returncode = run_child(cmd, log, env)
+                returncode = end_child(start_child(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
                 if returncode != 0:
                     raise RuntimeError(f"point {point['name']}: {os.path.basename(cmd[1])} exited {returncode}; "
                                        f"see {os.path.join(run_dir, 'sweep.log')}")
@@ -333,25 +435,10 @@ def finished(run_dir):
     if not os.path.lexists(path):
         return None
     try:
-        with os.fdopen(open_nofollow(path, os.O_RDONLY), "rb") as f:
-            row = json.load(f)
-    except OSError as e:  # a link (refused, not followed), a folder
-        why = e.strerror
-    except ValueError as e:  # not JSON, not UTF-8
-        why = f"not JSON: {e}"
-    else:
-        why = row_problem(row)
-    if why:
-        raise ValueError(f"{path} is not a finished point's record ({why}): delete it and rerun this command "
-                         "to redo the point (train.py resumes from its checkpoints)")
-    return row
-
-
-def row_problem(row):
-    if not isinstance(row, dict):
-        return f"a JSON {type(row).__name__}, not an object"
-    wrong = [k for k, kind in ROW_FIELDS.items() if not isinstance(row.get(k), kind)]
-    return f"{', '.join(wrong)} missing or of the wrong type" if wrong else None
+        return read_object(path, ROW_FIELDS, follow=False)
+    except ValueError as e:
+        raise ValueError(f"{path} is not a finished point's record ({e}): delete it and rerun this command "
+                         "to redo the point (train.py resumes from its checkpoints)") from None
 
 
 def stale_reason(args, point, run_dir):
@@ -373,6 +460,46 @@ def write_results(args, todo):
         "analysis": "sweep", "name": args.name, "base": args.base, "arms": parse_arms(args.arm),
         "grid": parse_grid(args.grid), "seeds": args.seeds, "set": args.set, "eval": args.eval,
         "summary": {"points": len(todo), "finished": len(rows)}, "rows": rows})
+
+
+def check_name(name):
+    """A sweep's name is a folder's (<out-root>/<name>/) and a file's (<results-dir>/<name>.json): one plain
+    path component. '..' would put the points beside the sweep folder, '' or '.' in it, 'a/b' anywhere."""
+    if name in ("", ".", "..") or "/" in name:
+        raise ValueError(f"--name {name!r}: the name of the sweep's folder and results file must be one plain "
+                         "name, without '/' and not '.' or '..', e.g. --name lr_tune")
+
+
+def outputs(args, todo):
+    """[(path, "file" or "folder")] of everything the sweep writes, for check_outputs."""
+    files = [os.path.join(args.results_dir, f"{args.name}.json")]
+    for _, run_dir in todo:
+        files += [os.path.join(run_dir, "sweep.lock"), os.path.join(run_dir, "sweep.log"),
+                  *[eval_json(run_dir, name) for name in args.eval]]
+    return [(run_dir, "folder") for _, run_dir in todo] + [(path, "file") for path in files]
+
+
+def folders_above(path):
+    """The folders path lies in, outermost first: /a/b/c -> /, /a, /a/b."""
+    up = os.path.dirname(path)
+    return [] if up == path else [*folders_above(up), up]
+
+
+def check_outputs(outputs, fix):
+    """Refuse, before anything runs, an output path (outputs: [(path, "file" or "folder")]) that holds the
+    wrong kind of thing: a file where a folder goes (the path or a folder above it), a folder, FIFO or device
+    where a file is written. Met only when written, it would end the run after its trainings, their results
+    unsaved. One line naming the path and `fix`."""
+    for path, kind in outputs:
+        path = os.path.abspath(path)
+        for at, want in [(folder, "folder") for folder in folders_above(path)] + [(path, kind)]:
+            try:
+                mode = os.stat(at).st_mode
+            except FileNotFoundError:  # made when written, with what lies below it
+                break
+            if not (stat.S_ISDIR(mode) if want == "folder" else stat.S_ISREG(mode)):
+                what = "a file" if stat.S_ISREG(mode) else file_kind(mode)
+                raise ValueError(f"{at} is {what} where a {want} is written: {fix}")
 
 
 def build_parser():
@@ -399,6 +526,7 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
+        check_name(args.name)
         args.seeds = [int(s) for s in args.seeds.split(",")]
         args.eval = [e for e in args.eval.split(",") if e]
         unknown = sorted(set(args.eval) - set(EVALS))
@@ -417,6 +545,8 @@ def main(argv=None):
             if stale:
                 raise ValueError(f"point {pt['name']} in {run_dir} {stale}: its row would be reported under "
                                  "today's settings; use a new --name, or delete that folder to rerun it")
+        if not (args.dry_run or args.print_commands):  # a listing writes nothing
+            check_outputs(outputs(args, todo), "move it away, or choose another --name, --out-root or --results-dir")
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     if args.dry_run or args.print_commands:
@@ -432,14 +562,6 @@ def main(argv=None):
     pending = [(pt, d) for pt, d in todo if not finished(d)]
     print(f"sweep {args.name}: {len(todo)} points, {len(todo) - len(pending)} finished, {len(pending)} to run "
           f"({args.jobs} at a time)", flush=True)
-    def stop(signum, frame):
-        stop_children()
-        print(f"sweep {args.name}: stopped by {signal.Signals(signum).name}, and its running points with it; "
-              "the same command resumes them", file=sys.stderr, flush=True)
-        raise SystemExit(128 + signum)  # what a shell reports for a death by that signal
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
     failures, busy = run_all(args, pending, todo)
     write_results(args, todo)
     print(f"wrote {os.path.join(args.results_dir, args.name + '.json')}", flush=True)
@@ -455,7 +577,7 @@ def run_all(args, pending, todo):
     rewritten as each point lands, so a killed sweep keeps everything finished before it.
     Returns (failures, points skipped as busy)."""
     failures, busy = [], []
-    with ThreadPoolExecutor(args.jobs) as pool:
+    with child_pool(args.jobs) as pool:
         futures = {pool.submit(run_point, args, pt, d): pt for pt, d in pending}
         for fut in as_completed(futures):
             pt = futures[fut]
@@ -478,4 +600,4 @@ def run_all(args, pending, todo):
 
 
 if __name__ == "__main__":
-    main()
+    stoppable(main, "sweep: stopped by {signal}, and its running points with it; the same command resumes the sweep")
