@@ -21,14 +21,19 @@ test-extras:
 # The runner alone, apart from the extras: a failed extra then skips its tests instead of every test.
 pytest:
 	$(PYTHON) -m pip install -q pytest
+	$(PYTHON) -m pip install -q pytest-xdist || echo "pytest-xdist could not be installed: the suite runs in one process"
+
+# Most tests run one thread (tests/conftest.py), so two pytest-xdist workers, each given whole test files
+# (a module's fixtures are built once), keep both cores busy; without xdist the suite runs in one process.
+WORKERS = $$($(PYTHON) -c "import xdist" 2>/dev/null && echo "-n 2 --dist loadfile")
 
 # The whole suite, slow tests included (CI runs exactly this).
 test: install pytest plots test-extras
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q $(WORKERS) tests
 
 # Everything but the tests marked slow (torchrun, compile, training runs).
 test-fast: install pytest
-	$(PYTHON) -m pytest -q -m "not slow" tests
+	$(PYTHON) -m pytest -q $(WORKERS) -m "not slow" tests
 
 # The γ experiment end to end on CPU (anchor task): data, two trainings, comparison table, plot.
 quickstart: install plots
