@@ -191,11 +191,12 @@ def make_norm(cfg):
 
 
 def rope_cos_sin(start, seq_len, head_dim, theta, device):
-    """cos/sin of the rotation angles of positions start..start+seq_len-1, (seq_len, head_dim/2).
-    Computed in fp32 once per attention call, for q and k together (T x head_dim/2, negligible
-    next to the matmuls), rather than stored as a buffer or passed between blocks: a meta-device
-    build then needs no buffer re-initialisation, and FSDP2's mixed precision, which casts
-    floating inputs of each block to bf16, never rounds the angles."""
+    """cos/sin of the rotation angles of positions start..start+seq_len-1, (seq_len, head_dim/2),
+    in fp32. GPT.forward computes them once and hands them to every block, not as a buffer (a
+    meta-device build would need it re-initialised, and model.to(bf16) would round it). Computed
+    inside a compiled block instead, inductor re-derives pow/cos/sin for every element of q and k
+    in the backward kernel (~7% of a CPU step); as a block input they are read, not recomputed.
+    train.py's FSDP2 blocks keep their inputs' dtypes, so bf16 mixed precision never rounds them."""
     inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     positions = torch.arange(start, start + seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
@@ -384,13 +385,14 @@ class Attention(nn.Module):
         return (q.view(B, T, self.n_head, self.head_dim), k.view(B, T, self.n_kv_head, self.head_dim),
                 v.view(B, T, self.n_kv_head, self.head_dim))
 
-    def forward(self, x, mask, kv=None):
+    def forward(self, x, mask, kv=None, rope=None):
         """mask: from build_attention_mask. kv: (k_cache, v_cache, start) while decoding: this
-        call's keys/values are written at positions start.., and attention reads all cached so far."""
+        call's keys/values are written at positions start.., and attention reads all cached so far.
+        rope: rope_cos_sin of these positions (GPT.forward's), else computed here."""
         B, T, _ = x.shape
         start = 0 if kv is None else kv[2]
         q, k, v = self.project(x)
-        cos, sin = rope_cos_sin(start, T, self.head_dim, self.rope_theta, x.device)
+        cos, sin = rope if rope is not None else rope_cos_sin(start, T, self.head_dim, self.rope_theta, x.device)
         q, k, v = self.rope(q, cos, sin).transpose(1, 2), self.rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
         if kv is not None:
             k_cache, v_cache, _ = kv
@@ -547,9 +549,9 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(cfg)
         self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
 
-    def forward(self, x, mask, kv=None):
+    def forward(self, x, mask, kv=None, rope=None):
         """Always (x, moe_stats): moe_stats is the MoE layer's (aux_loss, counts), None for a dense MLP."""
-        x = x + self.attn(self.attn_norm(x), mask, kv)
+        x = x + self.attn(self.attn_norm(x), mask, kv, rope)
         if isinstance(self.mlp, MoE):
             out, aux, counts = self.mlp(self.mlp_norm(x))
             return x + out, (aux, counts)
@@ -699,14 +701,15 @@ class GPT(nn.Module):
         if kv_cache is not None and self.cfg.doc_mask:
             kv_cache.add_documents(idx, self.cfg.eot_id)  # before the mask, which reads them
         mask = build_attention_mask(idx, self.cfg, self.cfg.attn_backend, kv_cache)
+        rope = rope_cos_sin(start, T, self.cfg.head_dim, self.cfg.rope_theta, idx.device)
         x = self.tok_emb(idx)
         aux_total = None
         for i, block in enumerate(self.layers):
             kv = None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i], start)
             if self.cfg.activation_checkpointing and self.training:
-                x, moe_stats = checkpoint(block, x, mask, kv, use_reentrant=False)
+                x, moe_stats = checkpoint(block, x, mask, kv, rope, use_reentrant=False)
             else:
-                x, moe_stats = block(x, mask, kv)
+                x, moe_stats = block(x, mask, kv, rope)
             if moe_stats is not None:
                 aux, counts = moe_stats
                 aux_total = aux if aux_total is None else aux_total + aux

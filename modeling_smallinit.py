@@ -98,21 +98,21 @@ def padding_hidden(blocks, keep):
     """While inside, each block's attention also hides the keys where keep (B, cached + new) is
     False: a padded batch (generate's left padding). GPT.forward builds one mask, causal or
     document-causal, for all blocks and takes no padding of its own; a forward pre-hook narrows
-    that mask where Block.forward(x, mask, kv) receives it."""
+    that mask where Block.forward(x, mask, kv, rope) receives it."""
     if keep is None:
         yield
         return
     narrowed = {}
 
     def hide(block, args):
-        x, mask, kv = args
+        x, mask, kv, rope = args
         if "mask" not in narrowed:
             S, T = keep.shape[1], x.shape[1]
             q_pos, k_pos = torch.arange(S - T, S, device=x.device), torch.arange(S, device=x.device)
             rule = k_pos <= q_pos[:, None] if mask is None else mask  # None: GPT's plain causal kernel
             # A padding query sees no key and its softmax would be NaN: it sees itself.
             narrowed["mask"] = (rule & keep[:, None, None, :]) | (k_pos == q_pos[:, None])
-        return x, narrowed["mask"], kv
+        return x, narrowed["mask"], kv, rope
 
     handles = [block.register_forward_pre_hook(hide) for block in blocks]
     try:

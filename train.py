@@ -27,6 +27,7 @@ import resource
 import signal
 import sys
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -289,13 +290,10 @@ def build_model(cfg, mcfg, device):
         net = GPT(mcfg)
     if cfg["compile"]:
         compile_model_(net)  # in place (names, so checkpoints, unchanged): blocks, final norm, loss chunks
-    # bf16 params with fp32 gradient reduction on CUDA; fp32 on CPU, where bf16 matmuls are
-    # ~70x slower and exact-resume / cross-world-size tests need fp32.
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if device.type == "cuda" else MixedPrecisionPolicy()
+    block_mp, mp = mixed_precision(device)
     for i, block in enumerate(net.layers):
         # The last block is needed again right away by backward: don't free its params.
-        fully_shard(block, mp_policy=mp, reshard_after_forward=i < len(net.layers) - 1)
+        fully_shard(block, mp_policy=block_mp, reshard_after_forward=i < len(net.layers) - 1)
     fully_shard(net, mp_policy=mp)
     n = sum(p.numel() for p in net.parameters())
     with allocating(f"config: model_size={cfg['model_size']!r}, model={cfg['model']}: the model ({n:,} parameters, "
@@ -304,6 +302,16 @@ def build_model(cfg, mcfg, device):
         net.to_empty(device=device)
         report = init_model_(net, gamma=cfg["gamma"], seed=cfg["seed"], overrides=cfg["init_overrides"] or None)
     return net, report
+
+
+def mixed_precision(device):
+    """FSDP2's (block, root) policies: bf16 params with fp32 gradient reduction on CUDA; fp32 on CPU,
+    where bf16 matmuls are ~70x slower and exact-resume / cross-world-size tests need fp32. A block's
+    inputs keep their dtypes: the residual stream is already bf16 (the embedding's parameters are),
+    and the RoPE tables GPT.forward hands every block stay fp32 (model.rope_cos_sin)."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if device.type == "cuda" else MixedPrecisionPolicy()
+    return replace(mp, cast_forward_inputs=False), mp
 
 
 def param_groups(net, cfg):

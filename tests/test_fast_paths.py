@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.overrides import TorchFunctionMode
 
 import bench
+import train
 from model import GPT, Block, GPTConfig, apply_rope, init_model_, rope_cos_sin
 
 
@@ -118,18 +119,25 @@ def test_fused_gemms_match_separate_ones(dtype, rel, overrides):
 
 
 def test_fused_gemms_under_fsdp2_bf16_mixed_precision():
-    # train.py's setup on a GPU: FSDP2 per block and at the root, bf16 parameters in forward and
-    # backward, fp32 gradients (one process, gloo). Loss bitwise, gradients within 2^-6 as above.
+    # train.py's setup on a GPU: FSDP2 per block and at the root with its policies, bf16 parameters in
+    # forward and backward, fp32 gradients (one process, gloo). Loss bitwise, gradients within 2^-6 as
+    # above. Each block gets the bf16 residual stream and GPT.forward's RoPE tables unrounded, in fp32.
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        block_mp, root_mp = train.mixed_precision(torch.device("cuda"))
         nets = fast_and_slow(torch.float32)
+        seen = []
         for net in nets:
             for block in net.layers:
-                fully_shard(block, mp_policy=mp)
-            fully_shard(net, mp_policy=mp)
+                fully_shard(block, mp_policy=block_mp)
+                block.register_forward_pre_hook(lambda m, args: seen.append((args[0].dtype, args[3])))
+            fully_shard(net, mp_policy=root_mp)
         idx = torch.randint(97, (3, 40), generator=torch.Generator().manual_seed(2))
         losses = [net(idx, idx)[1] for net in nets]
+        want = rope_cos_sin(0, 40, nets[0].cfg.head_dim, nets[0].cfg.rope_theta, "cpu")
+        assert len(seen) == 2 * len(nets[0].layers)
+        assert all(x_dtype == torch.bfloat16 and all(got.dtype == torch.float32 and torch.equal(got, w) for got, w in zip(rope, want))
+                   for x_dtype, rope in seen)
         assert torch.equal(*losses)
         for loss in losses:
             loss.backward()
