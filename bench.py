@@ -121,6 +121,14 @@ class RopeByHalves(Attention):
     rope = staticmethod(rope_by_halves)
 
 
+class RopePerBlock(Attention):
+    """The angles derived inside each block (rope_cos_sin there), not once by GPT.forward: compiled,
+    inductor then recomputes pow/cos/sin per element of q and k in the backward kernel."""
+
+    def forward(self, x, mask, kv=None, rope=None):
+        return super().forward(x, mask, kv)
+
+
 class SeparateProjections(Attention):
     def project(self, x):
         B, T, _ = x.shape
@@ -135,7 +143,7 @@ class SeparateGateUp(MLP):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
-SLOW_FORMS = ("rope-halves", "separate-gemms")
+SLOW_FORMS = ("rope-halves", "separate-gemms", "rope-per-block")
 
 
 def use_slow_forms(model, forms):
@@ -143,7 +151,7 @@ def use_slow_forms(model, forms):
     and parameters, another forward."""
     if set(forms) - set(SLOW_FORMS):
         raise ValueError(f"slow forms {sorted(set(forms) - set(SLOW_FORMS))}: choose from {', '.join(SLOW_FORMS)}")
-    bases = [cls for form, cls in zip(SLOW_FORMS, (RopeByHalves, SeparateProjections)) if form in forms]
+    bases = [cls for form, cls in zip(SLOW_FORMS, (RopeByHalves, SeparateProjections, RopePerBlock)) if form in forms]
     attention = type("SlowAttention", tuple(bases), {}) if bases else None
     for block in model.layers:
         if attention is not None:
@@ -241,6 +249,8 @@ def cpu_variants():
     return common_variants(g, compile=False, attn="eager") + [
         plain_gpt("reference-compiled", "plain GPT, compiled (blocks, norm, loss chunks)", g, compile=True),
         Variant("default-compiled", "model.GPT, compiled (blocks, norm, loss chunks)", g, compile=True),
+        Variant("rope-per-block-compiled", "compiled, RoPE angles derived inside each block", g,
+                slow=("rope-per-block",), compile=True),
     ]
 
 

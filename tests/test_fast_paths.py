@@ -179,16 +179,28 @@ def test_full_loss_is_the_chunked_loss():
         assert loss.dtype == torch.float32 and torch.allclose(loss.double(), by_hand, rtol=1e-6)
 
 
+def test_rope_per_block_is_the_same_model():
+    # The angles GPT.forward hands the blocks are those a block derives itself: the same values.
+    fast, _ = fast_and_slow(torch.float32)
+    per_block = copy.deepcopy(fast)
+    bench.use_slow_forms(per_block, ("rope-per-block",))
+    idx = torch.randint(97, (3, 40), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(fast(idx)[0], per_block(idx)[0])
+    assert fast.generate(idx[:, :4], 8) == per_block.generate(idx[:, :4], 8)  # positions past the cache start
+
+
 def test_slow_variants_use_their_forms_and_step():
     v = {x.name: x for x in bench.cpu_variants()}
     g = bench.Group("t", dict(vocab_size=64, n_layer=1, n_head=2, d_model=64), batch=2, seq_len=16, dtype="float32")
-    runners = {name: bench.Runner(replace(v[name], group=g), torch.device("cpu"))
-               for name in ("default", "rope-halves", "separate-gemms", "full-loss")}
+    runners = {name: bench.Runner(replace(v[name], group=g, compile=False), torch.device("cpu"))
+               for name in ("default", "rope-halves", "separate-gemms", "full-loss", "rope-per-block-compiled")}
     forms = {name: (isinstance(r.model.layers[0].attn, bench.RopeByHalves),
                     isinstance(r.model.layers[0].attn, bench.SeparateProjections),
-                    isinstance(r.model.layers[0].mlp, bench.SeparateGateUp)) for name, r in runners.items()}
-    assert forms == {"default": (False, False, False), "rope-halves": (True, False, False),
-                     "separate-gemms": (False, True, True), "full-loss": (False, False, False)}
+                    isinstance(r.model.layers[0].mlp, bench.SeparateGateUp),
+                    isinstance(r.model.layers[0].attn, bench.RopePerBlock)) for name, r in runners.items()}
+    assert forms == {"default": (False,) * 4, "rope-halves": (True, False, False, False),
+                     "separate-gemms": (False, True, True, False), "full-loss": (False,) * 4,
+                     "rope-per-block-compiled": (False, False, False, True)}
     assert [name for name, x in v.items() if x.full_loss] == ["full-loss"]
     for r in runners.values():
         before = [p.detach().clone() for p in r.model.parameters()]
