@@ -529,7 +529,7 @@ def plan(variants, suite, steps, repeats, warmup, peak):
                 compiled.add(structure)
             n = model.num_params()["total"]
             total += compile_s + n * INIT_S_PER_PARAM + (warmup + repeats * steps) * step_s
-            lines.append(f"  {v.full_name:<24} {n / 1e6:>8.1f}M params {fpt / 1e6:>9.1f} MFLOP/token "
+            lines.append(f"  {v.full_name:<28} {n / 1e6:>8.1f}M params {fpt / 1e6:>9.1f} MFLOP/token "
                          f"{'compiled' if v.compile else 'eager':>8}  ~{1e3 * step_s:,.0f} ms/step  {v.about}")
     lines.append(f"steps: {warmup} warm-up, then {repeats} repeats x {steps} timed steps per variant, round-robin")
     lines.append(f"estimated time: {total / 60:.1f} min (peak {peak / 1e12:.3g} TFLOP/s x assumed MFU "
