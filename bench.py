@@ -414,8 +414,23 @@ class Runner:
         return (time.perf_counter() - start) / steps
 
 
-def measure(variants, device, steps, repeats, warmup, peak):
-    """One row per variant (see the module docstring); groups one after another."""
+def top_ops(runner, steps, n):
+    """[{name, ms, calls}] per step of the n operations and compiled kernels with the most self time over
+    `steps` profiled steps (device time on CUDA): what a ratio's gap is made of."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = runner.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        for _ in range(steps):
+            runner.step()
+        synchronize(runner.device)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:n]
+    return [{"name": e.key, "ms": getattr(e, key) / 1e3 / steps, "calls": e.count / steps} for e in events]
+
+
+def measure(variants, device, steps, repeats, warmup, peak, profile=0):
+    """One row per variant (see the module docstring); groups one after another. profile=N: each row
+    also lists its N costliest operations (top_ops), profiled after the timed steps."""
     rows = []
     for group, members in groups_of(variants):
         runners, first_step = {}, {}
@@ -443,6 +458,7 @@ def measure(variants, device, steps, repeats, warmup, peak):
                 "tokens_per_s_max": tps[-1], "ms_per_step": 1e3 * tokens / median,
                 "mfu": run.flops_per_token * median / peak, "ratio": median / base,
                 "samples_tokens_per_s": [tokens / s for s in samples[v]],
+                **({"profile": top_ops(run, steps, profile)} if profile else {}),
             })
         del runners
         if device.type == "cuda":
@@ -451,11 +467,11 @@ def measure(variants, device, steps, repeats, warmup, peak):
 
 
 def format_rows(rows):
-    lines = [f"{'variant':<24} {'params':>8} {'tok/s':>9} {'min-max':>17} {'ms/step':>8} {'MFU':>6} "
+    lines = [f"{'variant':<28} {'params':>8} {'tok/s':>9} {'min-max':>17} {'ms/step':>8} {'MFU':>6} "
              f"{'ratio':>6} {'1st step s':>10}"]
     for r in rows:
         spread = f"{r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f}"
-        lines.append(f"{r['variant']:<24} {r['params'] / 1e6:>7.1f}M {r['tokens_per_s']:>9,.0f} {spread:>17} "
+        lines.append(f"{r['variant']:<28} {r['params'] / 1e6:>7.1f}M {r['tokens_per_s']:>9,.0f} {spread:>17} "
                      f"{r['ms_per_step']:>8.1f} {r['mfu']:>6.1%} {r['ratio']:>5.2f}x {r['first_step_s']:>10.2f}")
     return "\n".join(lines)
 
@@ -553,6 +569,9 @@ def parse_args(argv):
     p.add_argument("--seq-len", type=int, help="tokens per sequence, for every group")
     p.add_argument("--json-out", help="write the rows and the setup as JSON")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimated time; build nothing")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, each variant's N costliest operations and compiled kernels per step "
+                   "(torch.profiler; printed and in --json-out)")
     p.add_argument("--loss-memory", action="store_true",
                    help="instead: peak memory a 1-layer d64 model's step adds, full vs chunked loss (CPU, Linux)")
     return p.parse_args(argv)
@@ -572,7 +591,7 @@ def main(argv=None):
                               suite.repeats if args.repeats is None else args.repeats,
                               suite.warmup if args.warmup is None else args.warmup)
     for name, value in (("--steps", steps), ("--repeats", repeats), ("--warmup", warmup),
-                        ("--batch", args.batch), ("--seq-len", args.seq_len)):
+                        ("--batch", args.batch), ("--seq-len", args.seq_len), ("--profile", args.profile or None)):
         if value is not None and value < 1:
             raise ValueError(f"{name}={value}: must be >= 1")
     variants = select(suite.variants(), args.variants)
@@ -602,9 +621,13 @@ def main(argv=None):
     # chunk_loss at up to two chunk heights): allow a few graphs per variant, and keep shapes
     # static (a dynamic recompile would time slower kernels).
     with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 4 * len(variants)),
-                                    automatic_dynamic_shapes=False):
-        rows = measure(variants, device, steps, repeats, warmup, peak)
+                                    automatic_dynamic_shapes=False), \
+            torch._inductor.config.patch({"cpp.enable_kernel_profile": bool(args.profile)}):  # kernels by name
+        rows = measure(variants, device, steps, repeats, warmup, peak, args.profile)
     print(format_rows(rows))
+    for r in rows:
+        for op in r.get("profile", []):
+            print(f"  {r['variant']:<28} {op['ms']:>9.1f} ms {op['calls']:>6.0f}x  {op['name'][:100]}")
     if args.json_out:
         setup = {"suite": args.suite, "device": name, "torch": torch.__version__,
                  "threads": torch.get_num_threads(), "matmul_peak_flops": peak, "matmul_peak_n": suite.peak_n,

@@ -164,14 +164,14 @@ def test_the_plain_gpt_starts_at_its_usual_scale_without_an_eps_warning():
                 bench.build(v, torch.device("cpu"))
 
 
-def check_rows(path, names):
+def check_rows(path, names, extra=frozenset()):
     out = json.loads(path.read_text())
     assert (out["suite"], out["device"]) == ("cpu", "cpu") and out["steps"] == 2 and out["repeats"] == 2 and out["matmul_peak_n"] == 1024
     rows = out["rows"]
     assert [r["variant"] for r in rows] == names
     first = rows[0]["tokens_per_s"]
     for r in rows:
-        assert set(r) == ROW_FIELDS
+        assert set(r) == ROW_FIELDS | extra
         assert len(r["samples_tokens_per_s"]) == 2 and (r["batch"], r["seq_len"]) == (2, 16)
         samples = sorted(r["samples_tokens_per_s"])
         assert r["tokens_per_s"] == pytest.approx(statistics.median(samples))
@@ -202,6 +202,19 @@ def test_tiny_cpu_run_writes_json_rows(tmp_path, capsys):
     assert by["5m/gate-none"]["params"] < by["5m/default"]["params"]
     printed = capsys.readouterr().out
     assert all(re.search(rf"^{re.escape(n)}\s", printed, flags=re.M) for n in names)
+
+
+def test_profile_lists_each_variants_costliest_operations(tmp_path, capsys):
+    bench.main(["--variants", "reference,default", *TINY, "--profile", "3", "--json-out", str(tmp_path / "b.json")])
+    rows = check_rows(tmp_path / "b.json", ["5m/reference", "5m/default"], {"profile"})
+    for r in rows:
+        ms = [op["ms"] for op in r["profile"]]
+        assert len(ms) == 3 and ms == sorted(ms, reverse=True) and ms[0] > 0
+        assert "aten::mm" in [op["name"] for op in r["profile"]]  # eager: the GEMMs are the largest cost
+        # the profiled step's self times fit inside a timed step's wall time
+        assert sum(ms) < r["ms_per_step"] * 1.5
+    printed = capsys.readouterr().out
+    assert re.search(r"^  5m/default\s+[\d.]+ ms\s+\d+x  aten::mm", printed, flags=re.M), printed
 
 
 @pytest.mark.slow
