@@ -19,7 +19,6 @@ hard links is written to.
 """
 
 import errno
-import fcntl
 import glob
 import hashlib
 import itertools
@@ -30,12 +29,10 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
 import threading
-import time
 import warnings
 import zipfile
 from contextlib import contextmanager
@@ -54,8 +51,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from model import GPT, GPTConfig
-from fileio import (WRITE_LIMITS, NotOwnFile, atomic_open, atomic_write_bytes, file_kind, naming, open_nofollow,
-                    open_regular, parse_json, read_json, sha256_file, sha256_of, write_json)
+from fileio import (WRITE_LIMITS, NotOwnFile, atomic_open, atomic_write_bytes, file_kind, lock_holder, naming,
+                    open_nofollow, open_regular, parse_json, read_json, sha256_file, sha256_of, write_json)
 
 # ----------------------------------------------------------------------------- reading without running code
 # DCP unpickles .metadata with plain pickle.load and torch.loads its byte entries (the optimizer's
@@ -337,7 +334,20 @@ def meta_problem(meta):
     outside = [name for name in meta.get("sha256", {}) if not plain_name(name)]
     if outside:
         return f"lists {outside[0]!r} among its files, not a file inside the checkpoint folder"
-    return data_state_problem(meta.get("data_state")) or changes_problem(meta.get("resume_changes", []))
+    return (model_config_problem(meta["model_config"]) or data_state_problem(meta.get("data_state"))
+            or changes_problem(meta.get("resume_changes", [])))
+
+
+def model_config_problem(model_config):
+    """Why GPTConfig refuses a recorded model_config (an unknown or missing field, a wrong type or value), or None:
+    every reader builds the model from it, and a TypeError there would be a traceback, not damage."""
+    if not isinstance(model_config, dict):
+        return f"has model_config of type {type(model_config).__name__}, not dict"
+    try:
+        GPTConfig(**model_config)
+    except (TypeError, ValueError) as e:
+        return f"has a model_config GPTConfig refuses ({e})"
+    return None
 
 
 def read_meta(path):
@@ -522,17 +532,10 @@ def lock_run_dir(run_dir):
     it, for the error a second launch gets."""
     path = os.path.join(run_dir, "train.lock")
     fd = open_in_run_dir(path, os.O_RDWR | os.O_CREAT)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 512).decode(errors="replace").strip() or "another process"
-        os.close(fd)
+    holder = lock_holder(fd, path, "train.py")
+    if holder:
         raise RunDirError(f"{run_dir} is in use by {holder}: wait for that run to end (or stop it), "
-                          f"or choose another out_dir") from None
-    with naming(path):
-        os.ftruncate(fd, 0)
-        os.write(fd, f"train.py pid {os.getpid()} on host {socket.gethostname()} "
-                     f"(since {time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode())
+                          f"or choose another out_dir")
     return fd
 
 
@@ -1021,6 +1024,9 @@ def read_export(path, device="cpu", follow=True):
     if not isinstance(blob, dict) or "model" not in blob or "model_config" not in blob:
         raise ValueError(f"{path}: not a smallinit export (needs 'model' and 'model_config'); "
                          "make one with `python train.py export <ckpt_dir> <file.pt>`")
+    problem = model_config_problem(blob["model_config"])
+    if problem:
+        raise ValueError(f"{path}: {problem}; pass a .pt made by `python train.py export`, or a checkpoint folder")
     return blob
 
 

@@ -1,17 +1,21 @@
 """
 Files that readers rely on: written whole or not at all, JSON without NaN, sha256 of a file; files
-of a folder from someone else opened only when they are plain files of its own (open_regular).
+of a folder from someone else opened only when they are plain files of its own (open_regular); the
+lock files that keep a run, a data folder or a sweep point to one process (lock_holder).
 Every tool writes through here (prepare_data.py's shards and meta.json, train.py's checkpoints
 and metrics, eval.py's and sweep.py's results), so it imports nothing of the project.
 """
 
 import errno
+import fcntl
 import hashlib
 import json
 import math
 import os
+import socket
 import stat
 import tempfile
+import time
 from contextlib import contextmanager
 
 
@@ -101,6 +105,24 @@ def open_nofollow(path, flags=os.O_RDWR | os.O_CREAT):
     someone else (tar, rsync, a shared disk), and a lock or log file planted there as a link would
     otherwise let opening it truncate or append to any file the user can write."""
     return open_regular(path, flags, follow=False)
+
+
+def lock_holder(fd, path, who):
+    """An exclusive OS lock on the open file fd (path: its name), taken without waiting and released by
+    the kernel when the process dies (no stale lock after a crash or SIGKILL). Returns None once taken,
+    the file then saying `who` holds it (e.g. "train.py pid 12 on host h (since ...)"); else the line
+    the holder wrote, for the error the second process gives (fd is then closed)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 512).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        return holder
+    with naming(path):
+        os.ftruncate(fd, 0)  # the holder before was killed: its line stayed
+        os.write(fd, f"{who} pid {os.getpid()} on host {socket.gethostname()} "
+                     f"(since {time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode())
+    return None
 
 
 @contextmanager

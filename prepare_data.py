@@ -17,7 +17,6 @@ import argparse
 import bz2
 import codecs
 import errno
-import fcntl
 import fnmatch
 import glob
 import gzip
@@ -31,7 +30,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import stat
 import sys
 import tempfile
@@ -46,7 +44,8 @@ import numpy as np
 from anchor import ANCHOR_SHIFTS, PAIRS, AnchorTask, anchor_records, anchor_vocab, check_anchor_task
 from configurator import at_least
 from data import FORMAT_VERSION, HEADER, HEADER_BYTES, MAGIC, get_tokenizer, is_int, progress_bar, read_meta
-from fileio import NotOwnFile, atomic_open, atomic_write_bytes, file_kind, naming, open_nofollow, parse_json, sha256_of
+from fileio import (NotOwnFile, atomic_open, atomic_write_bytes, file_kind, lock_holder, naming, open_nofollow,
+                    parse_json, sha256_of)
 
 
 def usable_cores():
@@ -950,24 +949,16 @@ def lock_out(out_dir):
         except NotOwnFile as e:
             raise ValueError(f"{path} is {e.strerror} (a data folder's files are its own); remove it, "
                              f"then rerun") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 512).decode(errors="replace").strip() or "another process"
-            os.close(fd)
+        holder = lock_holder(fd, path, "prepare_data.py")
+        if holder:
             raise ValueError(f"{out_dir} is in use by {holder}: wait for that run to end (or stop it), or pass "
-                             f"another --out") from None
+                             f"another --out")
         # The run before removes the file as it ends: a lock taken on a file opened just before that
         # excludes no one who opens the name now, so it is taken again on the file there
         with suppress(FileNotFoundError):
             if os.path.samestat(os.fstat(fd), os.lstat(path)):
-                break
+                return fd
         os.close(fd)
-    with naming(path):
-        os.ftruncate(fd, 0)  # the holder before was killed: its line stayed
-        os.write(fd, f"prepare_data.py pid {os.getpid()} on host {socket.gethostname()} "
-                     f"(since {time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode())
-    return fd
 
 
 @contextmanager

@@ -39,7 +39,6 @@ if __name__ == "__main__":
 
 import argparse
 import ctypes
-import fcntl
 import glob
 import itertools
 import platform
@@ -52,7 +51,7 @@ from contextlib import contextmanager
 
 from checkpoint import RunDirError, code_version, metrics_rows, newest_in_run, open_in_run_dir
 from configurator import at_least, parse_value  # a grid value is read as train.py reads --key=value
-from fileio import file_kind, open_regular, parse_json, write_json
+from fileio import file_kind, lock_holder, open_regular, parse_json, write_json
 from report import cpu_name
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -264,15 +263,11 @@ def lock_point(run_dir):
     released by the kernel when the sweep dies (no stale lock after a kill). It covers training
     and the evaluations, where train.py's own lock covers only training. The file says who
     holds it, for the sibling's message."""
-    fd = open_in_run_dir(os.path.join(run_dir, "sweep.lock"), os.O_RDWR | os.O_CREAT)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 512).decode(errors="replace").strip() or "another sweep"
-        os.close(fd)
-        raise PointBusy(f"{run_dir} is being run by {holder}") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"sweep.py pid {os.getpid()} on host {platform.node()}\n".encode())
+    path = os.path.join(run_dir, "sweep.lock")
+    fd = open_in_run_dir(path, os.O_RDWR | os.O_CREAT)
+    holder = lock_holder(fd, path, "sweep.py")
+    if holder:
+        raise PointBusy(f"{run_dir} is being run by {holder}")
     return fd
 
 
