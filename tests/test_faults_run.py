@@ -233,6 +233,11 @@ RESEALED = {
     "a-change-of-a-number": (lambda meta: meta.update(resume_changes=[5]), NOT_CHANGES),
     "a-change-without-now": (lambda meta: meta.update(resume_changes=[{"step": 3, "changes": {"lr": {"was": 1}}}]),
                              NOT_CHANGES),
+    "an-unknown-model-field": (lambda meta: meta["model_config"].update(wings=2),
+                               "meta.json has a model_config GPTConfig refuses (GPTConfig.__init__() got an "
+                               "unexpected keyword argument 'wings')"),
+    "a-model-field-of-text": (lambda meta: meta["model_config"].update(n_layer="2"),
+                              "meta.json has a model_config GPTConfig refuses (GPTConfig.n_layer='2': expected int)"),
 }
 
 
@@ -244,6 +249,18 @@ def test_a_resealed_meta_json_with_values_no_run_wrote_is_damage(run6, tmp_path,
     entry = (meta.get("resume_changes") or [None])[-1]
     assert checkpoint.checkpoint_problem(newest) == expected.format(data_state=meta["data_state"], entry=entry)
     assert checkpoint.load_model(run)[1]["path"] == os.path.join(run, PREVIOUS)
+
+
+def test_an_export_whose_model_config_gpt_refuses_is_one_line(run6, tmp_path):
+    out = str(tmp_path / "m.pt")
+    checkpoint.export(os.path.join(run6, NEWEST), out)
+    blob = torch.load(out, weights_only=True)
+    torch.save({**blob, "model_config": {**blob["model_config"], "wings": 2}}, out)
+    with pytest.raises(ValueError) as e:
+        checkpoint.load_model(out)
+    assert str(e.value) == (f"{out}: has a model_config GPTConfig refuses (GPTConfig.__init__() got an unexpected "
+                            "keyword argument 'wings'); pass a .pt made by `python train.py export`, or a checkpoint "
+                            "folder")
 
 
 @pytest.mark.slow
