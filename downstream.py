@@ -27,6 +27,7 @@ anchor scorers inside train.py every bench_interval steps.
 """
 import argparse
 import bz2
+import io
 import json
 import math
 import os
@@ -101,11 +102,21 @@ def load_hub(task, *names, split):
                          f"--source <local {LOCAL_COPIES[task]}> (the offline data kit has one)") from None
 
 
+def read_whole(path, opener=open):
+    """path's bytes (opener: bz2.open for a compressed file); a compressed stream cut short (a partial
+    download), which bz2 reports as a bare EOFError, is a ValueError naming the file."""
+    try:
+        with opener(path, "rb") as f:
+            return f.read()
+    except EOFError:
+        raise ValueError(f"{path}: its compressed data ends early (a partial download or copy): fetch the file "
+                         "again") from None
+
+
 def read_jsonl(path, opener=open):
     """The records of a JSON-lines file (opener: bz2.open for a compressed one); a line that is not
     JSON, not UTF-8 or nested past the decoder is a ValueError naming the file and the line."""
-    with opener(path, "rb") as f:
-        lines = f.read().splitlines()
+    lines = read_whole(path, opener).splitlines()
     records = []
     for n, line in enumerate(lines, 1):
         if line.strip():
@@ -206,8 +217,8 @@ def hellaswag_records(source):
     opener = bz2.open if source.endswith(".bz2") else open
     if ".jsonl" in source:
         return read_jsonl(source, opener), "exact (ctx_a, ctx_b from the records)"
-    with opener(source, "rt", encoding="utf-8") as f:
-        lines = f.read().rstrip("\n").split("\n")
+    # Decoded as text mode would (universal newlines: a CRLF copy reads the same)
+    lines = io.TextIOWrapper(io.BytesIO(read_whole(source, opener)), encoding="utf-8").read().rstrip("\n").split("\n")
     if len(lines) % 6:
         raise ValueError(f"{source}: {len(lines)} lines is not a multiple of 6; expected the HellaSwag "
                          "text format (context, label, 4 endings per task) or a .jsonl file")

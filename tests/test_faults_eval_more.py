@@ -2,6 +2,7 @@
 command's own inputs or over files of other kinds, result and benchmark files of the wrong shape
 (JSON null, 100k-deep nesting, a FIFO, another benchmark's records), devices nothing runs on, and
 flags past what the numbers allow. Each ends in one line (exit 2) and leaves every file as it was."""
+import bz2
 import json
 import os
 import subprocess
@@ -16,7 +17,7 @@ from conftest import launch_env, tiny_model
 from fileio import write_json
 from test_eval import export, greedy_by_hand, save_dcp
 from test_faults_eval import RESIDUAL, ROOT, error_line
-from train import GAMMA_MAX
+from model import GAMMA_MAX
 
 SCALING = ["scaling", "--baseline", "1e6=2.10", "3e6=1.90", "1e7=1.75", "3e7=1.66"]
 DEEP = "[" * 100_000  # the decoder recursed once per level: a RecursionError past every `except ValueError`
@@ -234,6 +235,20 @@ def test_bench_on_another_benchmarks_file_is_one_line(task, records, problem, tm
     assert error_line(["bench", ckpt, "--task", task, "--source", source], capsys) == (
         f"error: {source}: record 0{problem}; not a {task} file: pass {task}'s own file in its published format "
         f"(e.g. {KIT[task]} of the offline data kit)")
+
+
+@pytest.mark.parametrize("name,text", [("hs.jsonl.bz2", json.dumps(HELLASWAG) + "\n"),
+                                       ("hs.txt.bz2", "Cooking: A man cracks an egg. he\n0\n" + "eats.\n" * 4)])
+def test_a_truncated_bz2_benchmark_file_is_one_line(name, text, tmp_path, capsys):
+    # bz2 reports a stream cut short as a bare EOFError: a traceback before
+    path = tmp_path / name
+    whole = bz2.compress(text.encode())
+    path.write_bytes(whole)
+    assert ds.read_hellaswag(str(path))[0][0]["endings"][0].strip() == "eats."  # the whole file reads
+    path.write_bytes(whole[:len(whole) // 2])
+    ckpt = export(tiny_model(seed=1), tmp_path / "m.pt")
+    assert error_line(["bench", ckpt, "--task", "hellaswag", "--source", str(path)], capsys) == (
+        f"error: {path}: its compressed data ends early (a partial download or copy): fetch the file again")
 
 
 def test_gsm8k_exemplars_from_another_benchmarks_file_and_a_100k_deep_line_are_one_line(tmp_path, capsys):
