@@ -32,6 +32,7 @@ from torch import nn
 from init import gamma_init_
 from model import GPT, MLP, SIZES, Attention, GPTConfig, chunked_cross_entropy, compile_model_, init_model_
 from fileio import atomic_write_bytes
+from report import cpu_name
 
 
 # ----------------------------------------------------------------------------- the yardstick
@@ -629,7 +630,7 @@ def main(argv=None):
         for op in r.get("profile", []):
             print(f"  {r['variant']:<28} {op['ms']:>9.1f} ms {op['calls']:>6.0f}x  {op['name'][:100]}")
     if args.json_out:
-        setup = {"suite": args.suite, "device": name, "torch": torch.__version__,
+        setup = {"suite": args.suite, "device": name, "cpu": cpu_name(), "torch": torch.__version__,
                  "threads": torch.get_num_threads(), "matmul_peak_flops": peak, "matmul_peak_n": suite.peak_n,
                  "steps": steps, "repeats": repeats, "warmup": warmup}
         atomic_write_bytes(args.json_out, [json.dumps({**setup, "rows": rows}, indent=1, allow_nan=False).encode()])

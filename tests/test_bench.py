@@ -12,6 +12,7 @@ import torch
 
 import bench
 from model import GPT, SIZES, GPTConfig
+from report import cpu_name
 
 ROW_FIELDS = {"variant", "about", "params", "active_params", "flops_per_token", "batch", "seq_len", "dtype",
               "compile", "first_step_s", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "ms_per_step",
@@ -166,7 +167,7 @@ def test_the_plain_gpt_starts_at_its_usual_scale_without_an_eps_warning():
 
 def check_rows(path, names, extra=frozenset()):
     out = json.loads(path.read_text())
-    assert (out["suite"], out["device"]) == ("cpu", "cpu") and out["steps"] == 2 and out["repeats"] == 2 and out["matmul_peak_n"] == 1024
+    assert (out["suite"], out["device"], out["cpu"]) == ("cpu", "cpu", cpu_name()) and out["steps"] == 2 and out["repeats"] == 2 and out["matmul_peak_n"] == 1024
     rows = out["rows"]
     assert [r["variant"] for r in rows] == names
     first = rows[0]["tokens_per_s"]
