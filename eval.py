@@ -21,6 +21,12 @@ of them in step order). Every analysis prints tables, writes --json-out for mach
 (p_A − p_B) / (p_A + p_B) with p the probability each model gives the true next token:
 in [−1, 1], antisymmetric in A and B, +1 when only A predicts the token.
 """
+import interrupt
+
+if __name__ == "__main__":  # first: the imports below take seconds
+    interrupt.while_starting("eval.py: interrupted while starting, before anything was written; rerun the "
+                             "same command")
+
 import argparse
 import math
 import os
@@ -784,4 +790,5 @@ def run_command(args):
 
 
 if __name__ == "__main__":
+    interrupt.started()  # from here Ctrl-C is KeyboardInterrupt, which main turns into its line
     main()

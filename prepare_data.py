@@ -13,6 +13,12 @@ Data for smallinit, written: text corpora -> verified token shards, and the anch
 The folder's format (shards, meta.json), its reader and the tokenizers are in data.py; the
 anchor task's rules in anchor.py.
 """
+import interrupt
+
+if __name__ == "__main__":  # first: the imports below take seconds
+    interrupt.while_starting("prepare_data.py: interrupted while starting, before anything was written; rerun the "
+                             "same command")
+
 import argparse
 import bz2
 import codecs
@@ -1339,6 +1345,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    interrupt.started()  # from here Ctrl-C is KeyboardInterrupt, which main turns into its line
     try:
         main()
     except Interrupted as e:  # Ctrl-C: one line (no traceback), and the shell's code for SIGINT

@@ -13,26 +13,17 @@ instead of the composite x-10. A model that composed the single-anchor rules ans
 ("inferential"); one that copied the mirror pair's answer says x-6 ("symmetric").
 """
 
-import os
-import signal
-import sys
+import interrupt
 
-
-def interrupted_while_starting(signum, frame):
-    print("quickstart: interrupted while starting, before anything ran; rerun the same command",
-          file=sys.stderr, flush=True)
-    os._exit(128 + signum)  # nothing is written yet, and an extension module's half-run init need not unwind
-
-
-if __name__ == "__main__":
-    # Ctrl-C while torch and the project load (seconds) would end in a traceback from inside an import:
-    # until the script's own handling is in place (sweep.stoppable), it ends the quickstart here in one line.
-    signal.signal(signal.SIGINT, interrupted_while_starting)
+if __name__ == "__main__":  # first: the imports below take seconds
+    interrupt.while_starting("quickstart: interrupted while starting, before anything ran; rerun the same command")
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 
 from anchor import AnchorTask

@@ -21,29 +21,21 @@ failing on them. SIGTERM, SIGINT or SIGHUP stops the running points' processes b
 on Linux they are also stopped when the sweep is SIGKILLed.
 """
 
-import os
-import signal
-import sys
+import interrupt
 
-
-def interrupted_while_starting(signum, frame):
-    print("sweep: interrupted while starting, before any point ran; the same command runs the sweep",
-          file=sys.stderr, flush=True)
-    os._exit(128 + signum)  # nothing is written yet, and an extension module's half-run init need not unwind
-
-
-if __name__ == "__main__":
-    # Ctrl-C while torch and the project load (seconds) would end in a traceback from inside an import:
-    # until the script's own handling is in place (stoppable), it ends the sweep here in one line.
-    signal.signal(signal.SIGINT, interrupted_while_starting)
+if __name__ == "__main__":  # first: the imports below take seconds
+    interrupt.while_starting("sweep: interrupted while starting, before any point ran; the same command runs the sweep")
 
 import argparse
 import ctypes
 import glob
 import itertools
+import os
 import platform
+import signal
 import stat
 import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed

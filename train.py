@@ -16,6 +16,12 @@ One code path: a single process is a 1-rank process group, so FSDP2, DCP checkpo
 data order are the same for 1 CPU process and for 64 GPUs.
 """
 
+import interrupt
+
+if __name__ == "__main__":  # first: the imports below take seconds
+    interrupt.while_starting("train.py: interrupted while starting, before anything was written; rerun the "
+                             "same command")
+
 import argparse
 import gc
 import importlib.util
@@ -772,6 +778,7 @@ def error_line(e):
 
 
 if __name__ == "__main__":
+    interrupt.started()  # from here Ctrl-C is KeyboardInterrupt, which main turns into its line
     status = 1  # main() raised what no clause below handles: its traceback, then this
     try:
         main(sys.argv[1:])

@@ -72,6 +72,12 @@ LAUNCHES = {  # script: (arguments that would run it, the line of a Ctrl-C while
     "sweep.py": (lambda tmp: ["config/cpu_lm.py", "--name", "s", "--out-root", str(tmp / "out"),
                               "--results-dir", str(tmp / "results")],
                  "sweep: interrupted while starting, before any point ran; the same command runs the sweep"),
+    **{script: (args, f"{script}: interrupted while starting, before anything was written; rerun the same command")
+       for script, args in (
+           ("train.py", lambda tmp: ["config/tiny_bytes.py", f"--data_dir={tmp / 'data'}", f"--out_dir={tmp / 'run'}"]),
+           ("eval.py", lambda tmp: ["loss", str(tmp / "run"), "--data", str(tmp / "data")]),
+           ("prepare_data.py", lambda tmp: ["text", "--out", str(tmp / "data"), "--source", f"en={tmp / 'corpus'}",
+                                            "--tokenizer", "bytes"]))},
 }
 
 
