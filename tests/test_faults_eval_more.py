@@ -16,6 +16,7 @@ import eval as ev
 from conftest import launch_env, tiny_model
 from fileio import write_json
 from test_eval import export, greedy_by_hand, save_dcp
+from test_faults_data import snapshot
 from test_faults_eval import RESIDUAL, ROOT, error_line
 from model import GAMMA_MAX
 
@@ -28,17 +29,6 @@ def loss_result(path, loss=2.5, **summary):
     write_json(path, {"analysis": "loss", "summary": {"loss": loss, "params_total": 1000, "params_embedding": 100,
                                                       **summary}, "rows": []})
     return str(path)
-
-
-def snapshot(folder):
-    """{relative path: bytes} of every file under folder."""
-    out = {}
-    for root, _, files in os.walk(folder):
-        for name in files:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, folder)] = f.read()
-    return out
 
 
 # ----------------------------------------------------------------------------- outputs over inputs (F9, F10)

@@ -4,7 +4,6 @@ path holding the wrong kind of thing, or a sweep name that is not one plain fold
 before anything runs and writes nothing (F25, F26); a damaged JSON file they read (nested past the
 decoder, the wrong JSON value, a FIFO) is one line, not a traceback or a hang (F1). The references are
 the processes alive after the launcher exits and the folder's bytes before and after."""
-import contextlib
 import hashlib
 import json
 import os
@@ -17,6 +16,7 @@ import pytest
 import quickstart
 import sweep
 from conftest import launch_env
+from test_faults_links import within
 from test_sweep import alive, long_sweep, started_train
 from test_train import data_dir  # noqa: F401  (the shared byte-level dataset fixture)
 
@@ -140,18 +140,6 @@ def test_a_hung_up_sweep_stops_its_point_first(data_dir, tmp_path):  # noqa: F81
 
 
 # ----------------------------------------------------------------------------- F25, F26: outputs and names
-@contextlib.contextmanager
-def within(seconds):
-    """Fail instead of hanging: opening a FIFO waits for the other end, which never comes."""
-    def timeout(signum, frame):
-        raise TimeoutError(f"still blocked after {seconds}s")
-    old = signal.signal(signal.SIGALRM, timeout)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def make(path, kind):
