@@ -17,7 +17,7 @@ import quickstart
 import sweep
 from conftest import launch_env
 from test_faults_links import within
-from test_sweep import alive, long_sweep, started_train
+from test_sweep import alive, started_train
 from test_train import data_dir  # noqa: F401  (the shared byte-level dataset fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,26 +117,6 @@ def test_a_stopped_quickstart_stops_its_trainings_first(sig, tmp_path):
             os.kill(train, signal.SIGKILL)
     assert (proc.returncode, err) == (128 + sig, STOPPED.format(sig.name) + "\n"), out[-2000:]
     assert "Traceback" not in out
-
-
-@pytest.mark.slow
-@linux_only
-def test_a_hung_up_sweep_stops_its_point_first(data_dir, tmp_path):  # noqa: F811
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "sweep.py"), *long_sweep(data_dir, "hup")],
-                            cwd=tmp_path, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    train = None
-    try:
-        train = started_train(proc.pid)
-        proc.send_signal(signal.SIGHUP)  # the terminal the sweep ran in was closed
-        out, err = proc.communicate(timeout=120)
-        assert not alive(train)
-    finally:
-        proc.kill()
-        if train and alive(train):
-            os.kill(train, signal.SIGKILL)
-    assert (proc.returncode, err) == (129, "sweep: stopped by SIGHUP, and its running points with it; the same "
-                                           "command resumes the sweep\n"), out
 
 
 # ----------------------------------------------------------------------------- F25, F26: outputs and names

@@ -254,7 +254,7 @@ def test_a_point_busy_in_a_live_sibling_sweep_is_skipped_not_failed(data_dir, tm
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux",
                     reason="reads /proc; a SIGKILLed sweep's children get Linux's parent-death signal")
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL])
 def test_a_stopped_or_killed_sweep_leaves_no_training_behind(data_dir, tmp_path, sig):
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "sweep.py"), *long_sweep(data_dir, "stopped")],
                             cwd=tmp_path, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -265,7 +265,8 @@ def test_a_stopped_or_killed_sweep_leaves_no_training_behind(data_dir, tmp_path,
         proc.send_signal(sig)  # to the sweep alone, as `kill PID` sends it
         said, _ = proc.communicate(timeout=120)
         if sig != signal.SIGKILL:  # handled: the training is stopped and reaped before the sweep exits
-            assert proc.returncode == 128 + sig and f"stopped by {sig.name}" in said, said
+            assert proc.returncode == 128 + sig and said.splitlines()[-1] == (
+                f"sweep: stopped by {sig.name}, and its running points with it; the same command resumes the sweep"), said
             assert not alive(train)
         deadline = time.time() + 60  # SIGKILL: no handler runs; the training gets its parent-death signal
         while alive(train) and time.time() < deadline:
