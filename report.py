@@ -166,13 +166,23 @@ def params_of(summary, count, name):
     return summary[f"params_{count}"]
 
 
+def literal_point(spec, flag):
+    """{params, loss} of a literal N=loss: N a positive parameter count, loss finite (log N is fitted)."""
+    try:
+        n, loss = map(float, spec.split("="))
+    except ValueError:
+        n = loss = math.nan
+    if not (n > 0 and math.isfinite(n) and math.isfinite(loss)):
+        raise ValueError(f"{flag} {spec}: not N=loss (a positive parameter count and a finite loss, e.g. 1.5e9=2.41)")
+    return {"params": n, "loss": loss}
+
+
 def run_scaling(args):
     def points(specs, flag):
         out = []
         for spec in specs:
             if "=" in spec:  # literal N=loss, e.g. 1.5e9=2.41
-                n, loss = spec.split("=")
-                out.append({"name": spec, "params": float(n), "loss": float(loss)})
+                out.append({"name": spec, **literal_point(spec, flag)})
             else:
                 fix = "pass loss JSONs from `eval.py loss --json-out` (or N=loss)"
                 summary = result_of(spec, flag, "loss", fix)["summary"]

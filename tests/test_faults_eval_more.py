@@ -109,6 +109,13 @@ def test_scaling_inputs_of_the_wrong_shape_are_one_line(text, why, tmp_path, cap
         f"error: --compare {path}: {why}; pass loss JSONs from `eval.py loss --json-out` (or N=loss)")
 
 
+@pytest.mark.parametrize("literal", ["1=2=3", "x=2.1", "0=2.1", "1e6=nan", "1e6=inf"])
+def test_a_literal_that_is_not_n_equals_loss_is_one_line(literal, capsys):
+    # "1=2=3": ValueError's "too many values to unpack"; 0 or a negative N: log of it inside the fit
+    assert error_line(SCALING + ["--compare", literal], capsys) == (
+        f"error: --compare {literal}: not N=loss (a positive parameter count and a finite loss, e.g. 1.5e9=2.41)")
+
+
 def test_a_loss_result_without_a_finite_loss_is_one_line(tmp_path, capsys):
     diverged = loss_result(tmp_path / "d.json", loss=None)  # json_safe writes an infinite loss as null
     assert error_line(SCALING + ["--compare", diverged], capsys) == (
