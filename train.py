@@ -690,7 +690,11 @@ def main(argv):
     except KeyboardInterrupt:  # Ctrl-C before the first step (train() names the step from then on)
         raise Interrupted(interrupted_line(config, None)) from None
     finally:
-        held = close_distributed()
+        try:
+            held = close_distributed()
+        except KeyboardInterrupt:  # it came before close_distributed held Ctrl-C back: close to the end
+            held = True
+            close_distributed()
     if held:  # Ctrl-C while the finished run was torn down: held back until that was done
         raise Interrupted(interrupted_line(config, step))
 
@@ -793,8 +797,11 @@ if __name__ == "__main__":
             print(e, file=sys.stderr)
         status = 128 + signal.SIGINT
     finally:
+        # The outcome is decided: a Ctrl-C from here on is ignored. (At exit Python resets its own handlers to
+        # the default, and a Ctrl-C then would kill the process silently, status -2; an ignored signal stays so.)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         # After the except clauses: the error's traceback no longer holds the model (main() closed the group on
-        # its way out). A Ctrl-C during this close is dropped: the outcome is decided.
+        # its way out).
         if status:
             close_distributed()
     sys.exit(status)

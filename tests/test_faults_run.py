@@ -182,11 +182,16 @@ CTRL_C_AFTER = """
 import os, runpy, signal, sys
 import checkpoint
 import torch.distributed as dist
-owner, name = {"close": (checkpoint.Metrics, "close"), "destroy": (dist, "destroy_process_group")}[sys.argv.pop(1)]
+# "hold": between train()'s return and close_distributed's hold on Ctrl-C (its context made, not yet entered)
+owner, name = {"close": (checkpoint.Metrics, "close"), "destroy": (dist, "destroy_process_group"),
+               "hold": (checkpoint, "sigint_held")}[sys.argv.pop(1)]
 original = getattr(owner, name)
+sent = []
 def then_ctrl_c(*args, **kwargs):
     result = original(*args, **kwargs)
-    os.kill(os.getpid(), signal.SIGINT)
+    if not sent:  # one Ctrl-C, after the first call
+        sent.append(True)
+        os.kill(os.getpid(), signal.SIGINT)
     return result
 setattr(owner, name, then_ctrl_c)
 sys.argv[0] = "train.py"
@@ -194,8 +199,24 @@ runpy.run_path("train.py", run_name="__main__")
 """
 
 
+CTRL_C_AT_EXIT = """
+import atexit, os, runpy, signal, sys, time
+atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.2)))  # while the interpreter ends
+sys.argv[0] = "train.py"
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("after", ["close", "destroy"])
+def test_ctrl_c_while_a_finished_run_exits_changes_nothing(data_dir, tmp_path):  # noqa: F811
+    out = str(tmp_path / "run")
+    p = run_cli("-c", CTRL_C_AT_EXIT, *TINY, "--max_steps=3", f"--data_dir={data_dir}", f"--out_dir={out}")
+    assert p.returncode == 0 and "KeyboardInterrupt" not in p.stderr, p.stderr[-3000:]
+    assert f"saved {out}/ckpt_00000003" in p.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after", ["close", "destroy", "hold"])
 def test_ctrl_c_after_the_final_checkpoint_is_the_interrupted_line(data_dir, tmp_path, after):  # noqa: F811
     out = str(tmp_path / "run")
     p = run_cli("-c", CTRL_C_AFTER, after, *TINY, "--max_steps=3", f"--data_dir={data_dir}", f"--out_dir={out}")
