@@ -28,7 +28,7 @@ import time
 
 from anchor import AnchorTask
 from checkpoint import RunDirError, metrics_rows
-from fileio import write_json
+from fileio import atomic_write_bytes, write_json
 from prepare_data import usable_cores
 from report import cpu_name, pyplot, save_figure
 from sweep import check_outputs, child_pool, end_child, read_object, start_child, stoppable
@@ -187,6 +187,25 @@ def outputs(out):
     return [(folder, "folder") for folder in folders] + [(os.path.join(out, file), "file") for file in files]
 
 
+# The file that makes a folder the quickstart's own: each run deletes and remakes its runs, data and logs there.
+MARKER = ".quickstart"
+
+
+def claim(out):
+    """out, made when missing, for the quickstart alone: a new or empty folder, or one it marked before. A
+    folder of anything else (a training run, a data folder, the user's files) is refused, not emptied."""
+    marker = os.path.join(out, MARKER)
+    if os.path.isdir(out) and not os.path.isfile(marker):
+        theirs = sorted(os.listdir(out))
+        if theirs:
+            more = f" and {len(theirs) - 1} more" if len(theirs) > 1 else ""
+            raise ValueError(f"{out} holds {theirs[0]}{more} and no {MARKER}: it is not a folder the quickstart made, "
+                             f"and the quickstart deletes and remakes its runs and data there; choose another --out "
+                             f"(a new or empty folder)")
+    os.makedirs(out, exist_ok=True)
+    atomic_write_bytes(marker, [b"made by quickstart.py, which deletes and remakes the runs, data and logs here\n"])
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="out/quickstart", help="folder for data, runs, logs, table and plot")
@@ -205,7 +224,7 @@ def main(argv=None):
     data = {**DATA, **(SMOKE_DATA if args.smoke else {})}
     t_start = time.time()
     check_outputs(outputs(out), "move it away or choose another --out")
-    os.makedirs(out, exist_ok=True)
+    claim(out)
     for name, _, _ in RUNS:  # train.py resumes from checkpoints; the quickstart always starts fresh
         shutil.rmtree(os.path.join(out, name), ignore_errors=True)
 

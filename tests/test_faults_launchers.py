@@ -166,6 +166,21 @@ def test_a_quickstart_output_in_the_way_is_one_line(tmp_path):
     assert os.listdir(tmp_path) == ["qs"] and (tmp_path / "qs").read_text() == "the user's\n"
 
 
+@pytest.mark.parametrize("theirs", ["notes.txt", "gamma1/ckpt_00000100/meta.json"])
+def test_a_quickstart_out_it_did_not_make_is_refused_and_kept(theirs, tmp_path):
+    # It deleted gamma1/ and gamma05/ (a training run copied there), and replaced the data and quickstart.json
+    out = tmp_path / "qs"
+    make(str(out / theirs), "a file")
+    before = tree(tmp_path)
+    with pytest.raises(ValueError) as e:
+        quickstart.main(["--smoke", "--out", str(out)])
+    first = theirs.split("/")[0]
+    assert str(e.value) == (f"{out} holds {first} and no .quickstart: it is not a folder the quickstart made, and the "
+                            "quickstart deletes and remakes its runs and data there; choose another --out (a new or "
+                            "empty folder)")
+    assert tree(tmp_path) == before
+
+
 SWEEP_OUTPUTS = [  # (path under tmp_path, what is put there, what is written there)
     ("out", "a file", "folder"),
     ("out/s", "a file", "folder"),

@@ -17,10 +17,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("quickstart")
-    # A data folder left by a run with other settings (a full run before this --smoke one): the
-    # quickstart rebuilds its own data, as it restarts its own runs.
+    # A data folder left by an earlier quickstart with other settings (a full run before this --smoke one, its
+    # folder marked): the quickstart rebuilds its own data, as it restarts its own runs.
     subprocess.run([sys.executable, "prepare_data.py", "anchor", "--out", str(out / "data"), "--n-train", "1000",
                     "--n-eval", "128"], cwd=ROOT, check=True, capture_output=True, timeout=120)
+    (out / ".quickstart").write_text("made by quickstart.py\n")
     t0 = time.time()
     proc = subprocess.run([sys.executable, "quickstart.py", "--smoke", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
