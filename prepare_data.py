@@ -698,7 +698,8 @@ def read_cache(source, cache_dir, dtype, fingerprint):
         return None, f"{lengths_path} holds no document lengths"
     with open_cached(tokens_path) as f:
         # The sizes first: a cache cut short (a full disk) is the common damage, and says so
-        if os.fstat(f.fileno()).st_size != lengths.sum() * np.dtype(dtype).itemsize:
+        # summed as Python ints: a crafted lengths file's int64 sum can wrap around to the file's size
+        if os.fstat(f.fileno()).st_size != sum(lengths.tolist()) * np.dtype(dtype).itemsize:
             return None, "cached tokens are incomplete"
         if sha256_of(f) != sums["tokens"]:
             return None, f"{tokens_path} does not match the sha256 that {done} records"

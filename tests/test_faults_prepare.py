@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 import data as D
@@ -111,6 +112,21 @@ def test_a_marker_that_vouches_for_what_is_no_lengths_array(cached, capsys):
     marker = json.loads(done.read_text())
     done.write_text(json.dumps({**marker, "sha256": {**marker["sha256"], "lengths": hashlib.sha256().hexdigest()}}))
     assert rebuilt(out, src, ref, capsys) == [f"a: {lengths} holds no document lengths, tokenizing again"]
+
+
+def test_a_marker_that_vouches_for_lengths_whose_int64_sum_wraps(cached, capsys):
+    """Lengths of 2**62 wrap int64's sum around to the real token count, and the size check passed: the
+    build then failed with an IndexError deep in writing the splits."""
+    out, src, ref = cached
+    done, lengths = cache_file(out, "done.json"), cache_file(out, "lengths.npy")
+    real = np.load(lengths)
+    crafted = np.array([2**62] * 4 + [int(real.sum())], dtype=np.int64)
+    assert crafted.sum() == real.sum()  # the wrap the check must not be fooled by
+    lengths.write_bytes(P.npy_bytes(crafted))
+    marker = json.loads(done.read_text())
+    sums = {**marker["sha256"], "lengths": hashlib.sha256(lengths.read_bytes()).hexdigest()}
+    done.write_text(json.dumps({**marker, "sha256": sums}))
+    assert rebuilt(out, src, ref, capsys) == ["a: cached tokens are incomplete, tokenizing again"]
 
 
 def test_a_deep_meta_json_is_one_line(tmp_path):
