@@ -452,7 +452,7 @@ def write_results(args, todo):
 def check_name(name):
     """A sweep's name is a folder's (<out-root>/<name>/) and a file's (<results-dir>/<name>.json): one plain
     path component. '..' would put the points beside the sweep folder, '' or '.' in it, 'a/b' anywhere."""
-    if name in ("", ".", "..") or "/" in name:
+    if name.strip() in ("", ".", "..") or "/" in name:
         raise ValueError(f"--name {name!r}: the name of the sweep's folder and results file must be one plain "
                          "name, without '/' and not '.' or '..', e.g. --name lr_tune")
 

@@ -208,7 +208,7 @@ def test_a_sweep_output_in_the_way_is_refused_before_anything_runs(name, kind, w
     assert tree(tmp_path) == before
 
 
-@pytest.mark.parametrize("name", ["", ".", "..", "a/b", "../s", "/tmp"])
+@pytest.mark.parametrize("name", ["", " ", ".", "..", "a/b", "../s", "/tmp"])
 def test_a_sweep_name_that_is_not_one_folder_name_is_refused(name, tmp_path):
     with pytest.raises(SystemExit) as e:
         sweep.main([*sweep_argv(tmp_path, name), "--dry-run"])
