@@ -20,6 +20,17 @@ torch.set_num_threads(1)
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# The longest test files first: `make test`'s two xdist workers each take whole files, and one of
+# these started last would run alone at the end (test_readme.py alone takes ~5 minutes).
+LONGEST_FIRST = ("test_readme.py", "test_train.py", "test_run_folder.py", "test_lm_eval_parity.py",
+                 "test_faults_run.py", "test_sweep.py", "test_faults_launchers.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: the rest in order
+
+
 # Shared model builders and the greedy reference. Test files import them (`from conftest import
 # ...`): pytest puts this folder on sys.path.
 
