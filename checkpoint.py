@@ -1044,9 +1044,7 @@ def check_export_target(out_file):
         mode = os.lstat(out_file).st_mode
     except FileNotFoundError:
         return
-    if stat.S_ISLNK(mode):
-        what = "a symlink"
-    elif not stat.S_ISREG(mode):
+    if not stat.S_ISREG(mode):
         what = file_kind(mode)
     else:
         try:

@@ -64,9 +64,9 @@ class NotOwnFile(OSError):
 
 
 def file_kind(mode):
-    """What st_mode says a file that is not a regular one is, as a message names it."""
-    kinds = {stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket", stat.S_ISDIR: "a folder", stat.S_ISCHR: "a device",
-             stat.S_ISBLK: "a device"}
+    """What st_mode (of a stat, or an lstat: "a symlink") says a file is, as a message names it."""
+    kinds = {stat.S_ISREG: "a file", stat.S_ISLNK: "a symlink", stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket",
+             stat.S_ISDIR: "a folder", stat.S_ISCHR: "a device", stat.S_ISBLK: "a device"}
     return next((kind for test, kind in kinds.items() if test(mode)), "a special file")
 
 

@@ -922,20 +922,15 @@ def check_out_of_sources(out, sources):
                              f"become its documents; pass an --out outside it")
 
 
-def kind_of(path):
-    """'a symlink', 'a file', 'a FIFO'...: what lstat says path is, for a message."""
-    mode = os.lstat(path).st_mode
-    return "a symlink" if stat.S_ISLNK(mode) else "a file" if stat.S_ISREG(mode) else file_kind(mode)
-
-
 def check_out_folder(out_dir):
     """Refuse an --out that is not a data folder of ours: files that no build wrote and no data
     meta.json (`--out ~` or `--out /`, where --force, meant to rebuild a data folder, would then
     write), or a token cache that is not a folder of its own (a link to another folder would be read
     as the cache and written into)."""
     cache = os.path.join(out_dir, CACHE_NAME)
-    if os.path.lexists(cache) and not stat.S_ISDIR(os.lstat(cache).st_mode):
-        raise ValueError(f"{cache} is {kind_of(cache)}, not a folder of its own: the token cache is read and "
+    mode = os.lstat(cache).st_mode if os.path.lexists(cache) else stat.S_IFDIR
+    if not stat.S_ISDIR(mode):
+        raise ValueError(f"{cache} is {file_kind(mode)}, not a folder of its own: the token cache is read and "
                          f"written only there; remove it, then rerun")
     theirs = sorted(n for n in os.listdir(out_dir)
                     if n not in (CACHE_NAME, LOCK_NAME) and not any(fnmatch.fnmatchcase(n, p) for p in OUTPUT_FILES))

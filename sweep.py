@@ -485,8 +485,7 @@ def check_outputs(outputs, fix):
             except FileNotFoundError:  # made when written, with what lies below it
                 break
             if not (stat.S_ISDIR(mode) if want == "folder" else stat.S_ISREG(mode)):
-                what = "a file" if stat.S_ISREG(mode) else file_kind(mode)
-                raise ValueError(f"{at} is {what} where a {want} is written: {fix}")
+                raise ValueError(f"{at} is {file_kind(mode)} where a {want} is written: {fix}")
 
 
 def build_parser():
