@@ -187,20 +187,29 @@ def check_replaceable(out_dir):
     """Raise unless out_dir is absent, an empty folder, or an earlier export: anything else there
     (a run folder, a user's folder or file, a link) is not this exporter's to replace. The folder is
     looked at through one descriptor: another export swapping its own in meanwhile can't make one
-    export look like a foreign folder (listed before it moved, its marker looked for after)."""
-    try:
-        fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return
-    except NotADirectoryError:  # also a link, to a folder or not: replacing it would swap the link
-        what = "a symlink" if os.path.islink(out_dir) else "a file"
-    else:
+    export look like a foreign folder (listed before it moved, its marker looked for after). A folder
+    that lacks the marker is looked at again if it has left out_dir meanwhile: the other export, having
+    moved it aside, deletes it, its marker among the first files."""
+    while True:
+        try:
+            fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        except NotADirectoryError:  # also a link, to a folder or not: replacing it would swap the link
+            what = "a symlink" if os.path.islink(out_dir) else "a file"
+            break
         try:
             if not os.listdir(fd) or has_marker(fd):
                 return
+            try:
+                moved = not os.path.samestat(os.fstat(fd), os.lstat(out_dir))
+            except FileNotFoundError:
+                moved = True
         finally:
             os.close(fd)
-        what = f"a folder without the {MARKER} that every export holds"
+        if not moved:
+            what = f"a folder without the {MARKER} that every export holds"
+            break
     raise ValueError(f"{out_dir} exists and is not an earlier export ({what}): choose another OUT_DIR "
                      "or remove it yourself")
 
