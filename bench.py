@@ -133,8 +133,9 @@ class RopePerBlock(Attention):
 class SeparateProjections(Attention):
     def project(self, x):
         B, T, _ = x.shape
-        return (self.wq(x).view(B, T, self.n_head, self.head_dim), self.wk(x).view(B, T, self.n_kv_head, self.head_dim),
-                self.wv(x).view(B, T, self.n_kv_head, self.head_dim))
+        q, k, v = (m(x).view(B, T, -1, self.head_dim) for m in (self.wq, self.wk, self.wv))
+        gate = self.gate_tap(self.wg(x)).view(B, T, self.n_head, -1) if self.wg is not None else None
+        return q, k, v, gate
 
 
 class SeparateGateUp(MLP):
@@ -230,8 +231,8 @@ def common_variants(g, compile, attn):
         # What each of model.GPT's fast paths saves, one at a time (the same values). The RoPE
         # forms only eager: compiled, inductor fuses either into one kernel.
         Variant("rope-halves", "RoPE on the two halves, then cat (eager)", g, slow=("rope-halves",)),
-        Variant("separate-gemms", "q, k, v and SwiGLU's gate, up: one GEMM each", g, slow=("separate-gemms",),
-                compile=compile),
+        Variant("separate-gemms", "q, k, v, the attention gate and SwiGLU's gate, up: one GEMM each", g,
+                slow=("separate-gemms",), compile=compile),
         # Compiled or not, its cross-entropy runs eager, outside the compiled modules: the whole
         # unchunked tail is what it times against the default variant.
         Variant("full-loss", "loss on the full (B, T, V) logits, not chunked", g, full_loss=True, compile=compile),

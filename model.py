@@ -369,21 +369,25 @@ class Attention(nn.Module):
         gate_width = {"elementwise": hd, "headwise": 1, "none": 0}[cfg.attn_gate]
         self.wg = nn.Linear(d, cfg.n_head * gate_width, bias=False) if gate_width else None
         self.wo = nn.Linear(cfg.n_head * hd, d, bias=False)
-        # Identity tap: a forward hook on it sees the eager backend's attention probabilities.
+        # Identity taps: a forward hook on gate_tap sees the gate's logits (B, T, n_head * width),
+        # one on probs_tap the eager backend's attention probabilities.
+        self.gate_tap = nn.Identity()
         self.probs_tap = nn.Identity()
 
     # A class attribute, so that a subclass can swap the form (bench.py times the textbook one).
     rope = staticmethod(apply_rope)
 
     def project(self, x):
-        """q, k, v as (B, T, heads, head_dim), from ONE GEMM: wq, wk and wv are concatenated at
-        run time, so parameters, init and checkpoints keep the three matrices. The gate keeps
-        its own GEMM: a forward hook on wg sees its logits."""
+        """q, k, v as (B, T, heads, head_dim) and the gate's logits (B, T, n_head, 1 or head_dim),
+        None without a gate, from ONE GEMM: wq, wk, wv and wg are concatenated at run time, so
+        parameters, init and checkpoints keep the separate matrices. wg itself is never called:
+        hook gate_tap to see the gate's logits."""
         B, T, _ = x.shape
-        weights = (self.wq.weight, self.wk.weight, self.wv.weight)
-        q, k, v = F.linear(x, torch.cat(weights)).split([w.shape[0] for w in weights], dim=-1)
-        return (q.view(B, T, self.n_head, self.head_dim), k.view(B, T, self.n_kv_head, self.head_dim),
-                v.view(B, T, self.n_kv_head, self.head_dim))
+        weights = [m.weight for m in (self.wq, self.wk, self.wv, self.wg) if m is not None]
+        parts = F.linear(x, torch.cat(weights)).split([w.shape[0] for w in weights], dim=-1)
+        q, k, v = (p.view(B, T, -1, self.head_dim) for p in parts[:3])
+        gate = self.gate_tap(parts[3]).view(B, T, self.n_head, -1) if self.wg is not None else None
+        return q, k, v, gate
 
     def forward(self, x, mask, kv=None, rope=None):
         """mask: from build_attention_mask. kv: (k_cache, v_cache, start) while decoding: this
@@ -391,7 +395,7 @@ class Attention(nn.Module):
         rope: rope_cos_sin of these positions (GPT.forward's), else computed here."""
         B, T, _ = x.shape
         start = 0 if kv is None else kv[2]
-        q, k, v = self.project(x)
+        q, k, v, gate = self.project(x)
         cos, sin = rope if rope is not None else rope_cos_sin(start, T, self.head_dim, self.rope_theta, x.device)
         q, k, v = self.rope(q, cos, sin).transpose(1, 2), self.rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
         if kv is not None:
@@ -409,11 +413,9 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         else:
             y = self.eager_attention(q, k, v, mask)
-        if self.wg is not None:
-            # (B, T, n_head, head_dim) elementwise or (B, T, n_head, 1) headwise: the -1 takes
-            # either, and a headwise gate broadcasts over the head's channels.
-            g = torch.sigmoid(self.wg(x).float()).view(B, T, self.n_head, -1).transpose(1, 2)
-            y = (y.float() * g).type_as(y)
+        if gate is not None:
+            # A headwise gate (width 1) broadcasts over its head's channels.
+            y = (y.float() * torch.sigmoid(gate.float()).transpose(1, 2)).type_as(y)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
     def eager_attention(self, q, k, v, mask):
