@@ -8,8 +8,10 @@ AdamW step) of each variant, after warm-up, interleaved round-robin over several
     python bench.py --suite cuda --dry-run            # its plan and estimated time, on any machine
 
 Per variant: tokens/s (median over repeats, min-max), ms/step, MFU and the ratio to the first
-selected variant of its group (a plain GPT of the same size, written below as the yardstick),
-plus the first step's time apart (it includes torch.compile). MFU is against a matmul peak
+selected variant of its group (a plain GPT of the same size, written below as the yardstick) as
+the ratio of medians and as the paired ratio (the median over repeats of the ratio within each
+repeat, which drift between repeats does not move), plus the first step's time apart (it
+includes torch.compile). MFU is against a matmul peak
 measured here in the same run, so on a CPU it says how much of what this CPU's matmuls reach
 now the model uses. Variants are interleaved so that drift (clock, thermal, a neighbour's load)
 spreads over all of them instead of biasing the ones timed last.
@@ -451,6 +453,9 @@ def measure(variants, device, steps, repeats, warmup, peak, profile=0):
             tps = sorted(tokens / s for s in samples[v])
             median = statistics.median(tps)
             base = base or median
+            # Each repeat times the group's variants one right after another: the ratio within a
+            # repeat cancels the machine's drift between repeats, which the ratio of medians keeps.
+            paired = statistics.median(s0 / s for s0, s in zip(samples[members[0]], samples[v], strict=True))
             run = runners[v]
             rows.append({
                 "variant": v.full_name, "about": v.about, "params": run.params["total"],
@@ -458,7 +463,7 @@ def measure(variants, device, steps, repeats, warmup, peak, profile=0):
                 "batch": group.batch, "seq_len": group.seq_len, "dtype": group.dtype, "compile": v.compile,
                 "first_step_s": first_step[v], "tokens_per_s": median, "tokens_per_s_min": tps[0],
                 "tokens_per_s_max": tps[-1], "ms_per_step": 1e3 * tokens / median,
-                "mfu": run.flops_per_token * median / peak, "ratio": median / base,
+                "mfu": run.flops_per_token * median / peak, "ratio": median / base, "paired_ratio": paired,
                 "samples_tokens_per_s": [tokens / s for s in samples[v]],
                 **({"profile": top_ops(run, steps, profile)} if profile else {}),
             })
@@ -470,11 +475,12 @@ def measure(variants, device, steps, repeats, warmup, peak, profile=0):
 
 def format_rows(rows):
     lines = [f"{'variant':<28} {'params':>8} {'tok/s':>9} {'min-max':>17} {'ms/step':>8} {'MFU':>6} "
-             f"{'ratio':>6} {'1st step s':>10}"]
+             f"{'ratio':>6} {'paired':>6} {'1st step s':>10}"]
     for r in rows:
         spread = f"{r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f}"
         lines.append(f"{r['variant']:<28} {r['params'] / 1e6:>7.1f}M {r['tokens_per_s']:>9,.0f} {spread:>17} "
-                     f"{r['ms_per_step']:>8.1f} {r['mfu']:>6.1%} {r['ratio']:>5.2f}x {r['first_step_s']:>10.2f}")
+                     f"{r['ms_per_step']:>8.1f} {r['mfu']:>6.1%} {r['ratio']:>5.2f}x {r['paired_ratio']:>5.2f}x "
+                     f"{r['first_step_s']:>10.2f}")
     return "\n".join(lines)
 
 

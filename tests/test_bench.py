@@ -16,7 +16,7 @@ from report import cpu_name
 
 ROW_FIELDS = {"variant", "about", "params", "active_params", "flops_per_token", "batch", "seq_len", "dtype",
               "compile", "first_step_s", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "ms_per_step",
-              "mfu", "ratio", "samples_tokens_per_s"}
+              "mfu", "ratio", "paired_ratio", "samples_tokens_per_s"}
 
 
 def by_name(variants):
@@ -179,6 +179,9 @@ def check_rows(path, names, extra=frozenset()):
         assert (r["tokens_per_s_min"], r["tokens_per_s_max"]) == (samples[0], samples[-1])
         assert r["ms_per_step"] == pytest.approx(1e3 * 32 / r["tokens_per_s"])
         assert r["ratio"] == pytest.approx(r["tokens_per_s"] / first)
+        # tok/s of repeat i over the first variant's in the same repeat, the median of the two
+        pair = [a / b for a, b in zip(r["samples_tokens_per_s"], rows[0]["samples_tokens_per_s"])]
+        assert r["paired_ratio"] == pytest.approx((pair[0] + pair[1]) / 2)
         assert r["mfu"] == pytest.approx(r["flops_per_token"] * r["tokens_per_s"] / out["matmul_peak_flops"])
         v = bench.select(bench.cpu_variants(), r["variant"])[0]
         v = replace(v, group=replace(v.group, batch=2, seq_len=16))
