@@ -1,7 +1,8 @@
 """
 Files that readers rely on: written whole or not at all, JSON without NaN, sha256 of a file; files
 of a folder from someone else opened only when they are plain files of its own (open_regular); the
-lock files that keep a run, a data folder or a sweep point to one process (lock_holder).
+lock files that keep a run, a data folder or a sweep point to one process (lock_holder); a JSON
+object another tool wrote, its fields checked (read_object).
 Every tool writes through here (prepare_data.py's shards and meta.json, train.py's checkpoints
 and metrics, eval.py's and sweep.py's results), so it imports nothing of the project.
 """
@@ -181,3 +182,28 @@ def parse_json(text):
 def read_json(path):
     with open(path, "rb") as f:
         return parse_json(f.read())
+
+
+# What a JSON value is, as a message names it.
+JSON_KINDS = {list: "an array", str: "a string", bool: "true or false", int: "a number", float: "a number",
+              type(None): "null"}
+
+
+def read_object(path, fields, follow=True):
+    """The JSON object in path, a file a run wrote, with `fields` ({key: type}) of those types. Anything
+    else is a ValueError saying what the file is instead: not a plain file (a FIFO would block the read
+    forever; follow=False refuses a symlink), not JSON (also JSON nested past what the decoder follows), or
+    another JSON value: read as it is, it would end the launcher in a traceback or go wrong into its results."""
+    try:
+        with os.fdopen(open_regular(path, follow=follow), "rb") as f:
+            obj = parse_json(f.read())
+    except OSError as e:  # missing, a folder, a FIFO, a link not followed
+        raise ValueError(e.strerror) from None
+    except ValueError as e:  # not JSON, not UTF-8
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{JSON_KINDS[type(obj)]}, not an object")
+    wrong = [k for k, kind in fields.items() if not isinstance(obj.get(k), kind)]
+    if wrong:
+        raise ValueError(f"{', '.join(wrong)} missing or of the wrong type")
+    return obj

@@ -28,10 +28,10 @@ import time
 
 from anchor import AnchorTask
 from checkpoint import RunDirError, metrics_rows
-from fileio import atomic_write_bytes, write_json
+from fileio import atomic_write_bytes, read_object, write_json
+from launch import check_outputs, child_pool, end_child, start_child, stoppable
 from prepare_data import usable_cores
 from report import cpu_name, pyplot, save_figure
-from sweep import check_outputs, child_pool, end_child, read_object, start_child, stoppable
 from train import load_config
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -77,7 +77,7 @@ def config_overrides(config, wanted):
 
 
 def run_logged(cmd, log_path, prefix, show):
-    """Run cmd (in its own session: sweep.start_child) with its output in log_path; print the lines
+    """Run cmd (in its own session: launch.start_child) with its output in log_path; print the lines
     `show` accepts, prefixed. Returns (exit code, wall seconds)."""
     t0 = time.time()
     with open(log_path, "w") as log:
@@ -180,7 +180,7 @@ def plot(results, curves, path):
 
 
 def outputs(out):
-    """[(path, "file" or "folder")] of everything the quickstart writes in out, for sweep.check_outputs."""
+    """[(path, "file" or "folder")] of everything the quickstart writes in out, for launch.check_outputs."""
     folders = [out, os.path.join(out, "data"), *[os.path.join(out, name) for name, _, _ in RUNS]]
     files = ["data.log", "quickstart.json", "quickstart.png",
              *[f"{name}{end}" for name, _, _ in RUNS for end in (".log", "_eval.log", "_anchor.json")]]

@@ -27,23 +27,19 @@ if __name__ == "__main__":  # first: the imports below take seconds
     interrupt.while_starting("sweep: interrupted while starting, before any point ran; the same command runs the sweep")
 
 import argparse
-import ctypes
 import glob
 import itertools
 import os
 import platform
-import signal
-import stat
 import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
-from contextlib import contextmanager
+from concurrent.futures import as_completed
 
 from checkpoint import RunDirError, code_version, metrics_rows, newest_in_run, open_in_run_dir
 from configurator import at_least, parse_value  # a grid value is read as train.py reads --key=value
-from fileio import file_kind, lock_holder, open_regular, parse_json, write_json
+from fileio import lock_holder, read_object, write_json
+from launch import STOPPING, check_outputs, child_pool, end_child, start_child, stoppable
 from report import cpu_name
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -190,31 +186,6 @@ def trained_data_fingerprint(run_dir):
     return newest_in_run(run_dir, verify=False)[1].get("data_fingerprint")
 
 
-# What a JSON value is, as a message names it.
-JSON_KINDS = {list: "an array", str: "a string", bool: "true or false", int: "a number", float: "a number",
-              type(None): "null"}
-
-
-def read_object(path, fields, follow=True):
-    """The JSON object in path, a file a run wrote, with `fields` ({key: type}) of those types. Anything
-    else is a ValueError saying what the file is instead: not a plain file (a FIFO would block the read
-    forever; follow=False refuses a symlink), not JSON (also JSON nested past what the decoder follows), or
-    another JSON value: read as it is, it would end the launcher in a traceback or go wrong into its results."""
-    try:
-        with os.fdopen(open_regular(path, follow=follow), "rb") as f:
-            obj = parse_json(f.read())
-    except OSError as e:  # missing, a folder, a FIFO, a link not followed
-        raise ValueError(e.strerror) from None
-    except ValueError as e:  # not JSON, not UTF-8
-        raise ValueError(f"not JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{JSON_KINDS[type(obj)]}, not an object")
-    wrong = [k for k, kind in fields.items() if not isinstance(obj.get(k), kind)]
-    if wrong:
-        raise ValueError(f"{', '.join(wrong)} missing or of the wrong type")
-    return obj
-
-
 def run_output(path, fields):
     """read_object of a file train.py or eval.py wrote in a run folder, a damaged one refused in one line."""
     try:
@@ -261,117 +232,6 @@ def lock_point(run_dir):
     if holder:
         raise PointBusy(f"{run_dir} is being run by {holder}")
     return fd
-
-
-# The running child processes (a sweep's points, the quickstart's steps), for stop_children. Each
-# runs in its own session (process group): a signal sent to the launcher's group (Ctrl-C in a
-# terminal) does not reach them half-way through a checkpoint; the launcher stops each group as a
-# whole, itself.
-CHILDREN, CHILDREN_LOCK, STOPPING = set(), threading.Lock(), threading.Event()
-LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
-PR_SET_PDEATHSIG = 1
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # kill PID, Ctrl-C, a closed terminal
-
-
-def die_with_parent():
-    """Runs in the child before it execs (Linux): SIGTERM when the thread that started it dies,
-    which covers a SIGKILLed launcher, the one death no handler sees. A launcher that died before
-    the request took effect has already orphaned the child: it exits instead."""
-    parent = os.getpid()
-
-    def request():
-        LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:
-            os._exit(1)
-    return request if LIBC is not None else None
-
-
-def start_child(cmd, **popen):
-    """subprocess.Popen(cmd, **popen) in its own session, known to stop_children until end_child.
-    Nothing starts once the launcher is stopping."""
-    with CHILDREN_LOCK:  # with stop_children's, so no child starts unseen by it
-        if STOPPING.is_set():
-            raise RuntimeError("stopping: no new process starts")
-        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent(), **popen)
-        CHILDREN.add(proc)
-    return proc
-
-
-def end_child(proc):
-    """proc's exit code, once it has ended. Not in a finally: a child whose waiter was cut short
-    (Stopped, raised in the main thread) must stay known to stop_children."""
-    code = proc.wait()
-    with CHILDREN_LOCK:
-        CHILDREN.discard(proc)
-    return code
-
-
-def stop_children(grace_s=10):
-    """SIGTERM every running child's process group, SIGKILL what still runs after grace_s, and
-    wait for them: a stopped launcher leaves no training behind to hold a run folder."""
-    STOPPING.set()
-    with CHILDREN_LOCK:
-        running = list(CHILDREN)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for proc in running:
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:  # ended already
-                pass
-        deadline = time.time() + grace_s
-        for proc in running:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                pass
-        running = [proc for proc in running if proc.returncode is None]
-        if not running:
-            return
-
-
-class Stopped(BaseException):
-    """One of STOP_SIGNALS arrived: raised in the main thread wherever it was (stoppable). Not an
-    Exception, so no `except Exception` on the way catches it."""
-
-    def __init__(self, signum):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def stoppable(main, stopped_line):
-    """main() with STOP_SIGNALS stopping it: the children still running when it ends in any exception are
-    stopped and waited for (no orphan keeps training), and a signal ends the process with one line,
-    stopped_line.format(signal=its name), and the shell's 128 + its number. Only the first signal raises:
-    a second Ctrl-C can't cut the stopping of the children short."""
-    stopping = []  # not empty once a signal has arrived or main() has ended in an exception
-
-    def stop(signum, frame):
-        if not stopping:
-            stopping.append(signum)
-            raise Stopped(signum)
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, stop)
-    try:
-        main()
-    except BaseException as e:
-        stopping.append(e)  # a signal from here on is absorbed
-        stop_children()
-        if not isinstance(e, Stopped):
-            raise
-        print(stopped_line.format(signal=signal.Signals(e.signum).name), file=sys.stderr, flush=True)
-        sys.exit(128 + e.signum)
-
-
-@contextmanager
-def child_pool(jobs):
-    """A ThreadPoolExecutor whose threads wait on children: on an exception (Stopped) its exit, which
-    waits for the threads, would wait for their children to end by themselves; they are stopped first."""
-    with ThreadPoolExecutor(jobs) as pool:
-        try:
-            yield pool
-        except BaseException:
-            stop_children()
-            raise
 
 
 def run_point(args, point, run_dir):
@@ -464,28 +324,6 @@ def outputs(args, todo):
         files += [os.path.join(run_dir, "sweep.lock"), os.path.join(run_dir, "sweep.log"),
                   *[eval_json(run_dir, name) for name in args.eval]]
     return [(run_dir, "folder") for _, run_dir in todo] + [(path, "file") for path in files]
-
-
-def folders_above(path):
-    """The folders path lies in, outermost first: /a/b/c -> /, /a, /a/b."""
-    up = os.path.dirname(path)
-    return [] if up == path else [*folders_above(up), up]
-
-
-def check_outputs(outputs, fix):
-    """Refuse, before anything runs, an output path (outputs: [(path, "file" or "folder")]) that holds the
-    wrong kind of thing: a file where a folder goes (the path or a folder above it), a folder, FIFO or device
-    where a file is written. Met only when written, it would end the run after its trainings, their results
-    unsaved. One line naming the path and `fix`."""
-    for path, kind in outputs:
-        path = os.path.abspath(path)
-        for at, want in [(folder, "folder") for folder in folders_above(path)] + [(path, kind)]:
-            try:
-                mode = os.stat(at).st_mode
-            except FileNotFoundError:  # made when written, with what lies below it
-                break
-            if not (stat.S_ISDIR(mode) if want == "folder" else stat.S_ISREG(mode)):
-                raise ValueError(f"{at} is {file_kind(mode)} where a {want} is written: {fix}")
 
 
 def build_parser():

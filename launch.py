@@ -1,0 +1,151 @@
+"""
+The child processes of the launchers (sweep.py's points, quickstart.py's steps): each starts in its
+own session, and all of them stop when the launcher is stopped (SIGTERM, Ctrl-C, a closed
+terminal) or, on Linux, killed, so no training outlives its launcher to hold a run folder. And
+the check of a launcher's outputs before anything runs (check_outputs).
+"""
+
+import ctypes
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+from fileio import file_kind
+
+# The running child processes (a sweep's points, the quickstart's steps), for stop_children. Each
+# runs in its own session (process group): a signal sent to the launcher's group (Ctrl-C in a
+# terminal) does not reach them half-way through a checkpoint; the launcher stops each group as a
+# whole, itself.
+CHILDREN, CHILDREN_LOCK, STOPPING = set(), threading.Lock(), threading.Event()
+LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+PR_SET_PDEATHSIG = 1
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # kill PID, Ctrl-C, a closed terminal
+
+
+def die_with_parent():
+    """Runs in the child before it execs (Linux): SIGTERM when the thread that started it dies,
+    which covers a SIGKILLed launcher, the one death no handler sees. A launcher that died before
+    the request took effect has already orphaned the child: it exits instead."""
+    parent = os.getpid()
+
+    def request():
+        LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
+    return request if LIBC is not None else None
+
+
+def start_child(cmd, **popen):
+    """subprocess.Popen(cmd, **popen) in its own session, known to stop_children until end_child.
+    Nothing starts once the launcher is stopping."""
+    with CHILDREN_LOCK:  # with stop_children's, so no child starts unseen by it
+        if STOPPING.is_set():
+            raise RuntimeError("stopping: no new process starts")
+        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent(), **popen)
+        CHILDREN.add(proc)
+    return proc
+
+
+def end_child(proc):
+    """proc's exit code, once it has ended. Not in a finally: a child whose waiter was cut short
+    (Stopped, raised in the main thread) must stay known to stop_children."""
+    code = proc.wait()
+    with CHILDREN_LOCK:
+        CHILDREN.discard(proc)
+    return code
+
+
+def stop_children(grace_s=10):
+    """SIGTERM every running child's process group, SIGKILL what still runs after grace_s, and
+    wait for them: a stopped launcher leaves no training behind to hold a run folder."""
+    STOPPING.set()
+    with CHILDREN_LOCK:
+        running = list(CHILDREN)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for proc in running:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:  # ended already
+                pass
+        deadline = time.time() + grace_s
+        for proc in running:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+        running = [proc for proc in running if proc.returncode is None]
+        if not running:
+            return
+
+
+class Stopped(BaseException):
+    """One of STOP_SIGNALS arrived: raised in the main thread wherever it was (stoppable). Not an
+    Exception, so no `except Exception` on the way catches it."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def stoppable(main, stopped_line):
+    """main() with STOP_SIGNALS stopping it: the children still running when it ends in any exception are
+    stopped and waited for (no orphan keeps training), and a signal ends the process with one line,
+    stopped_line.format(signal=its name), and the shell's 128 + its number. Only the first signal raises:
+    a second Ctrl-C can't cut the stopping of the children short."""
+    stopping = []  # not empty once a signal has arrived or main() has ended in an exception
+
+    def stop(signum, frame):
+        if not stopping:
+            stopping.append(signum)
+            raise Stopped(signum)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop)
+    try:
+        main()
+    except BaseException as e:
+        stopping.append(e)  # a signal from here on is absorbed
+        stop_children()
+        if not isinstance(e, Stopped):
+            raise
+        print(stopped_line.format(signal=signal.Signals(e.signum).name), file=sys.stderr, flush=True)
+        sys.exit(128 + e.signum)
+
+
+@contextmanager
+def child_pool(jobs):
+    """A ThreadPoolExecutor whose threads wait on children: on an exception (Stopped) its exit, which
+    waits for the threads, would wait for their children to end by themselves; they are stopped first."""
+    with ThreadPoolExecutor(jobs) as pool:
+        try:
+            yield pool
+        except BaseException:
+            stop_children()
+            raise
+
+
+def folders_above(path):
+    """The folders path lies in, outermost first: /a/b/c -> /, /a, /a/b."""
+    up = os.path.dirname(path)
+    return [] if up == path else [*folders_above(up), up]
+
+
+def check_outputs(outputs, fix):
+    """Refuse, before anything runs, an output path (outputs: [(path, "file" or "folder")]) that holds the
+    wrong kind of thing: a file where a folder goes (the path or a folder above it), a folder, FIFO or device
+    where a file is written. Met only when written, it would end the run after its trainings, their results
+    unsaved. One line naming the path and `fix`."""
+    for path, kind in outputs:
+        path = os.path.abspath(path)
+        for at, want in [(folder, "folder") for folder in folders_above(path)] + [(path, kind)]:
+            try:
+                mode = os.stat(at).st_mode
+            except FileNotFoundError:  # made when written, with what lies below it
+                break
+            if not (stat.S_ISDIR(mode) if want == "folder" else stat.S_ISREG(mode)):
+                raise ValueError(f"{at} is {file_kind(mode)} where a {want} is written: {fix}")
