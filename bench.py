@@ -25,9 +25,11 @@ import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -35,6 +37,7 @@ from init import gamma_init_
 from model import GPT, MLP, SIZES, Attention, GPTConfig, chunked_cross_entropy, compile_model_, init_model_
 from fileio import atomic_write_bytes
 from report import cpu_name
+import train
 
 
 # ----------------------------------------------------------------------------- the yardstick
@@ -195,6 +198,7 @@ class Variant:
     full_loss: bool = False                     # full_loss instead of GPT.forward's chunked loss
     gamma: float = 1.0
     compile: bool = False                       # model.compile_model_, as train.py compiles
+    fsdp: bool = False                          # train.build_model's model: FSDP2, fp32 weights
 
     @property
     def full_name(self):
@@ -253,6 +257,8 @@ def cpu_variants():
     return common_variants(g, compile=False, attn="eager") + [
         plain_gpt("reference-compiled", "plain GPT, compiled (blocks, norm, loss chunks)", g, compile=True),
         Variant("default-compiled", "model.GPT, compiled (blocks, norm, loss chunks)", g, compile=True),
+        Variant("train-step-compiled", "default-compiled as train.py builds it: FSDP2 on one rank", g, compile=True,
+                fsdp=True),
         Variant("rope-per-block-compiled", "compiled, RoPE angles derived inside each block", g,
                 slow=("rope-per-block",), compile=True),
     ]
@@ -266,6 +272,9 @@ def cuda_variants():
     small = Group("0.1b", {**SIZES["0.1b"], **flex}, batch=16, seq_len=2048, dtype="bfloat16")
     large = Group("1.5b", {**SIZES["1.5b"], **flex}, batch=8, seq_len=2048, dtype="bfloat16")
     return common_variants(small, compile=True, attn="sdpa") + [
+        # The step train.py takes on one GPU, against default's bf16 weights and AdamW state.
+        Variant("train-step", "default as train.py builds it: FSDP2 on one rank, fp32 weights and AdamW, "
+                "bf16 compute", small, compile=True, fsdp=True),
         Variant("uncompiled", "model.GPT without torch.compile (flex is still compiled)", small),
         # flash-attention's varlen kernel in place of flex: only the attention kernel differs
         # from uncompiled (flex's is compiled either way), and each is the one compiled blocks
@@ -367,7 +376,13 @@ def make_model(v):
 def build(v, device):
     """A variant's model on device in its dtype, γ-initialised, compiled as train.py compiles if asked.
     Built on meta and materialised on the device, as train.py does: the full fp32 model never
-    sits in host memory first."""
+    sits in host memory first. An fsdp variant is train.py's own build (in a one-rank process group,
+    one_rank): FSDP2 per block and at the root with train.py's mixed precision, so its parameters,
+    gradients and AdamW state stay fp32 while blocks compute in bf16 on CUDA."""
+    if v.fsdp:
+        setting = {"compile": v.compile, "model_size": v.group.name, "model": v.model, "gamma": v.gamma, "seed": 0,
+                   "init_overrides": None}
+        return train.build_model(setting, v.gpt_config(), device)[0]
     with torch.device("meta"):
         model = make_model(v)
     model.to_empty(device=device)
@@ -461,6 +476,7 @@ def measure(variants, device, steps, repeats, warmup, peak, profile=0):
                 "variant": v.full_name, "about": v.about, "params": run.params["total"],
                 "active_params": run.params["active"], "flops_per_token": run.flops_per_token,
                 "batch": group.batch, "seq_len": group.seq_len, "dtype": group.dtype, "compile": v.compile,
+                "fsdp": v.fsdp,
                 "first_step_s": first_step[v], "tokens_per_s": median, "tokens_per_s_min": tps[0],
                 "tokens_per_s_max": tps[-1], "ms_per_step": 1e3 * tokens / median,
                 "mfu": run.flops_per_token * median / peak, "ratio": median / base, "paired_ratio": paired,
@@ -564,6 +580,22 @@ def plan(variants, suite, steps, repeats, warmup, peak):
 
 # ----------------------------------------------------------------------------- main
 
+@contextmanager
+def one_rank(device, needed):
+    """The one-process group the fsdp variants' FSDP2 runs in (train.py's on one GPU or CPU), torn
+    down after them as train.py tears down its own."""
+    if not needed:
+        yield
+        return
+    kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} if device.type == "cuda" else {}
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            **kwargs)
+    try:
+        yield
+    finally:
+        train.close_distributed()
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -631,7 +663,8 @@ def main(argv=None):
     with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 4 * len(variants)),
                                     automatic_dynamic_shapes=False), \
             torch._inductor.config.patch({"cpp.enable_kernel_profile": bool(args.profile)}):  # kernels by name
-        rows = measure(variants, device, steps, repeats, warmup, peak, args.profile)
+        with one_rank(device, any(v.fsdp for v in variants)):
+            rows = measure(variants, device, steps, repeats, warmup, peak, args.profile)
     print(format_rows(rows))
     for r in rows:
         for op in r.get("profile", []):

@@ -16,7 +16,7 @@ from report import cpu_name
 
 ROW_FIELDS = {"variant", "about", "params", "active_params", "flops_per_token", "batch", "seq_len", "dtype",
               "compile", "first_step_s", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "ms_per_step",
-              "mfu", "ratio", "paired_ratio", "samples_tokens_per_s"}
+              "mfu", "ratio", "paired_ratio", "samples_tokens_per_s", "fsdp"}
 
 
 def by_name(variants):
@@ -268,3 +268,25 @@ def test_plan_counts_one_compilation_per_structure():
 def test_cuda_suite_without_a_gpu_is_a_clear_error():
     with pytest.raises(ValueError, match="needs a CUDA GPU.*--dry-run"):
         bench.main(["--suite", "cuda"])
+
+
+def test_the_train_step_variant_is_train_pys_model_and_step():
+    # train.build_model's model (FSDP2 per block and at the root, fp32 parameters on CPU), with the
+    # same γ-init as the default variant: the same loss on the same batch, and after one AdamW
+    # step the same weights within fp32 rounding. The one-rank group is gone afterwards.
+    v = {x.name: x for x in bench.cpu_variants()}
+    g = bench.Group("t", dict(vocab_size=64, n_layer=2, n_head=2, d_model=64), batch=2, seq_len=16, dtype="float32")
+    with bench.one_rank(torch.device("cpu"), True):
+        default, step = (bench.Runner(replace(v[name], group=g, compile=False), torch.device("cpu"))
+                         for name in ("default-compiled", "train-step-compiled"))
+        assert not hasattr(default.model.layers[0].attn.wq.weight, "full_tensor")
+        sharded = [p for p in step.model.parameters()]
+        assert all(hasattr(p, "full_tensor") and p.dtype == torch.float32 for p in sharded)
+        assert type(step.model.layers[0]).__name__.startswith("FSDP")
+        losses = [r.model(r.idx, r.targets)[1] for r in (default, step)]
+        assert torch.allclose(losses[0], losses[1], rtol=1e-6, atol=0)
+        for r in (default, step):
+            r.step()
+        for (name, a), b in zip(default.model.named_parameters(), step.model.parameters(), strict=True):
+            assert torch.allclose(a, b.full_tensor(), rtol=0, atol=1e-6 * a.abs().max().item()), name
+    assert not torch.distributed.is_initialized()
