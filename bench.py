@@ -112,9 +112,10 @@ def plain_d_ff(cfg, seq_len):
     return max(64, 64 * round((target - fixed) / (2 * d * L) / 64))
 
 
-# ----------------------------------------------------------------------------- slow forms
-# The textbook forms of what model.py computes faster, with the same parameters and values, so
-# that a variant can time one saving at a time. Here, not in model.py, which keeps one form of each.
+# ----------------------------------------------------------------------------- other forms
+# Other forms of what model.py computes, with the same parameters and values, so that a variant
+# can time one choice at a time: the textbook forms model.py improves on, and forms it measured
+# and did not take. Here, not in model.py, which keeps one form of each.
 
 def rope_by_halves(x, cos, sin):
     """model.apply_rope as [x1 cos - x2 sin, x1 sin + x2 cos]: six half-width ops and a cat."""
@@ -135,36 +136,43 @@ class RopePerBlock(Attention):
         return super().forward(x, mask, kv)
 
 
-class SeparateProjections(Attention):
+class FusedProjections(Attention):
+    """q, k, v and the gate from ONE GEMM over wq, wk, wv and wg concatenated at run time: the
+    parameters, init and checkpoints keep the four matrices."""
+
     def project(self, x):
         B, T, _ = x.shape
-        q, k, v = (m(x).view(B, T, -1, self.head_dim) for m in (self.wq, self.wk, self.wv))
-        gate = self.gate_tap(self.wg(x)).view(B, T, self.n_head, -1) if self.wg is not None else None
-        return q, k, v, gate
+        weights = [m.weight for m in (self.wq, self.wk, self.wv, self.wg) if m is not None]
+        parts = F.linear(x, torch.cat(weights)).split([w.shape[0] for w in weights], dim=-1)
+        q, k, v = (p.view(B, T, -1, self.head_dim) for p in parts[:3])
+        return q, k, v, None if self.wg is None else parts[3].view(B, T, self.n_head, -1)
 
 
-class SeparateGateUp(MLP):
+class FusedGateUp(MLP):
+    """SwiGLU's gate and up from one GEMM over the two matrices concatenated at run time."""
+
     def forward(self, x):
         if self.w_gate is None:
             return super().forward(x)
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        gate, up = F.linear(x, torch.cat([self.w_gate.weight, self.w_up.weight])).chunk(2, dim=-1)
+        return self.w_down(F.silu(gate) * up)
 
 
-SLOW_FORMS = ("rope-halves", "separate-gemms", "rope-per-block")
+OTHER_FORMS = ("rope-halves", "fused-gemms", "rope-per-block")
 
 
-def use_slow_forms(model, forms):
-    """Switch a GPT's blocks to the slow forms named (of SLOW_FORMS), in place: the same modules
-    and parameters, another forward."""
-    if set(forms) - set(SLOW_FORMS):
-        raise ValueError(f"slow forms {sorted(set(forms) - set(SLOW_FORMS))}: choose from {', '.join(SLOW_FORMS)}")
-    bases = [cls for form, cls in zip(SLOW_FORMS, (RopeByHalves, SeparateProjections, RopePerBlock)) if form in forms]
-    attention = type("SlowAttention", tuple(bases), {}) if bases else None
+def use_other_forms(model, forms):
+    """Switch a GPT's blocks to the forms named (of OTHER_FORMS), in place: the same modules and
+    parameters, another forward."""
+    if set(forms) - set(OTHER_FORMS):
+        raise ValueError(f"forms {sorted(set(forms) - set(OTHER_FORMS))}: choose from {', '.join(OTHER_FORMS)}")
+    bases = [cls for form, cls in zip(OTHER_FORMS, (RopeByHalves, FusedProjections, RopePerBlock)) if form in forms]
+    attention = type("OtherAttention", tuple(bases), {}) if bases else None
     for block in model.layers:
         if attention is not None:
             block.attn.__class__ = attention
-        if "separate-gemms" in forms and type(block.mlp) is MLP:
-            block.mlp.__class__ = SeparateGateUp
+        if "fused-gemms" in forms and type(block.mlp) is MLP:
+            block.mlp.__class__ = FusedGateUp
 
 
 def full_loss(model, idx, targets):
@@ -194,7 +202,7 @@ class Variant:
     group: Group
     model: dict = field(default_factory=dict)   # GPTConfig fields over the group's
     reference: bool = False                     # the plain GPT instead of model.GPT
-    slow: tuple = ()                            # SLOW_FORMS its blocks use instead of model.GPT's
+    forms: tuple = ()                           # OTHER_FORMS its blocks use instead of model.GPT's
     full_loss: bool = False                     # full_loss instead of GPT.forward's chunked loss
     gamma: float = 1.0
     compile: bool = False                       # model.compile_model_, as train.py compiles
@@ -234,11 +242,13 @@ def common_variants(g, compile, attn):
         Variant("gelu", "GELU MLP instead of SwiGLU (same parameters)", g, dict(mlp="gelu"), compile=compile),
         Variant(f"attn-{attn}", f"{attn} attention backend", g, dict(attn_backend=attn), compile=compile),
         Variant("gamma-0.5", "γ=0.5 init: other weights, the same step", g, gamma=0.5, compile=compile),
-        # What each of model.GPT's fast paths saves, one at a time (the same values). The RoPE
-        # forms only eager: compiled, inductor fuses either into one kernel.
-        Variant("rope-halves", "RoPE on the two halves, then cat (eager)", g, slow=("rope-halves",)),
-        Variant("separate-gemms", "q, k, v, the attention gate and SwiGLU's gate, up: one GEMM each", g,
-                slow=("separate-gemms",), compile=compile),
+        # Each of model.GPT's forms against another one, one at a time (the same values): what a
+        # fast path saves, or what a form not taken would (fused GEMMs, taken on neither device
+        # until a GPU run measures them). The RoPE forms only eager: compiled, inductor fuses
+        # either into one kernel.
+        Variant("rope-halves", "RoPE on the two halves, then cat (eager)", g, forms=("rope-halves",)),
+        Variant("fused-gemms", "one GEMM for q, k, v and the gate, one for SwiGLU's gate and up", g,
+                forms=("fused-gemms",), compile=compile),
         # Compiled or not, its cross-entropy runs eager, outside the compiled modules: the whole
         # unchunked tail is what it times against the default variant.
         Variant("full-loss", "loss on the full (B, T, V) logits, not chunked", g, full_loss=True, compile=compile),
@@ -260,7 +270,9 @@ def cpu_variants():
         Variant("train-step-compiled", "default-compiled as train.py builds it: FSDP2 on one rank", g, compile=True,
                 fsdp=True),
         Variant("rope-per-block-compiled", "compiled, RoPE angles derived inside each block", g,
-                slow=("rope-per-block",), compile=True),
+                forms=("rope-per-block",), compile=True),
+        Variant("fused-gemms-compiled", "compiled, one GEMM for q, k, v and the gate, one for gate and up", g,
+                forms=("fused-gemms",), compile=True),
     ]
 
 
@@ -390,7 +402,7 @@ def build(v, device):
         gamma_init_(model, gamma=v.gamma)
     else:
         init_model_(model, gamma=v.gamma)
-        use_slow_forms(model, v.slow)
+        use_other_forms(model, v.forms)
     model.to(dtype=getattr(torch, v.group.dtype))
     if v.compile:
         compile_model_(model)
@@ -563,7 +575,7 @@ def plan(variants, suite, steps, repeats, warmup, peak):
                 model = make_model(v)
             fpt = model.flops_per_token(group.seq_len)
             step_s = fpt * group.batch * group.seq_len / (peak * suite.assumed_mfu)
-            structure = (group.name, v.reference, tuple(sorted(v.model.items())), v.slow)
+            structure = (group.name, v.reference, tuple(sorted(v.model.items())), v.forms)
             compile_s = suite.compile_s if v.compile and structure not in compiled else 0.0
             if v.compile:
                 compiled.add(structure)

@@ -33,10 +33,11 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PY = sys.executable
-# The headline pair at both sizes, and at 0.1B what the gate and each fast path of model.py cost
-# or save, train.py's own step (FSDP2, fp32 weights) against the bench's bf16 one, and the varlen
-# kernel against flex (rope-halves and uncompiled-varlen are eager: compare them with uncompiled).
-BENCH = ["bench.py", "--suite", "cuda", "--variants", "0.1b/reference,0.1b/default,0.1b/gate-none,0.1b/separate-gemms,"
+# The headline pair at both sizes; at 0.1B what the gate and each form of model.py cost or save
+# against another (fused GEMMs: taken if a GPU says so), train.py's own step (FSDP2, fp32 weights)
+# against the bench's bf16 one, and the varlen kernel against flex (rope-halves and
+# uncompiled-varlen are eager: compare them with uncompiled).
+BENCH = ["bench.py", "--suite", "cuda", "--variants", "0.1b/reference,0.1b/default,0.1b/gate-none,0.1b/fused-gemms,"
          "0.1b/full-loss,0.1b/train-step,0.1b/uncompiled,0.1b/rope-halves,0.1b/uncompiled-varlen,1.5b/reference,"
          "1.5b/default",
          "--steps", "5", "--repeats", "2", "--warmup", "2"]

@@ -369,25 +369,20 @@ class Attention(nn.Module):
         gate_width = {"elementwise": hd, "headwise": 1, "none": 0}[cfg.attn_gate]
         self.wg = nn.Linear(d, cfg.n_head * gate_width, bias=False) if gate_width else None
         self.wo = nn.Linear(cfg.n_head * hd, d, bias=False)
-        # Identity taps: a forward hook on gate_tap sees the gate's logits (B, T, n_head * width),
-        # one on probs_tap the eager backend's attention probabilities.
-        self.gate_tap = nn.Identity()
+        # Identity tap: a forward hook on it sees the eager backend's attention probabilities.
         self.probs_tap = nn.Identity()
 
     # A class attribute, so that a subclass can swap the form (bench.py times the textbook one).
     rope = staticmethod(apply_rope)
 
     def project(self, x):
-        """q, k, v as (B, T, heads, head_dim) and the gate's logits (B, T, n_head, 1 or head_dim),
-        None without a gate, from ONE GEMM: wq, wk, wv and wg are concatenated at run time, so
-        parameters, init and checkpoints keep the separate matrices. wg itself is never called:
-        hook gate_tap to see the gate's logits."""
+        """q, k, v as (B, T, heads, head_dim) and the gate's logits (B, T, n_head, 1 or head_dim), None
+        without a gate: one GEMM per matrix. Concatenated into one GEMM at run time (bench.py's
+        fused-gemms variant), a compiled CPU step was slower, not faster: both its GEMMs and its
+        elementwise kernels took longer (results/README.md, "Speed")."""
         B, T, _ = x.shape
-        weights = [m.weight for m in (self.wq, self.wk, self.wv, self.wg) if m is not None]
-        parts = F.linear(x, torch.cat(weights)).split([w.shape[0] for w in weights], dim=-1)
-        q, k, v = (p.view(B, T, -1, self.head_dim) for p in parts[:3])
-        gate = self.gate_tap(parts[3]).view(B, T, self.n_head, -1) if self.wg is not None else None
-        return q, k, v, gate
+        q, k, v = (m(x).view(B, T, -1, self.head_dim) for m in (self.wq, self.wk, self.wv))
+        return q, k, v, None if self.wg is None else self.wg(x).view(B, T, self.n_head, -1)
 
     def forward(self, x, mask, kv=None, rope=None):
         """mask: from build_attention_mask. kv: (k_cache, v_cache, start) while decoding: this
@@ -404,9 +399,7 @@ class Attention(nn.Module):
             k, v = k_cache[:, :, :start + T], v_cache[:, :, :start + T]
         gqa = self.n_kv_head != self.n_head
         if isinstance(mask, BlockMask):
-            # v as its own buffer, not a slice of the fused projection's rows: compiled on CPU,
-            # inductor's flex_attention template reads a strided value wrongly (errors of O(1)).
-            y = compiled(flex_attention, q)(q, k, v.contiguous(), block_mask=mask, enable_gqa=gqa)
+            y = compiled(flex_attention, q)(q, k, v, block_mask=mask, enable_gqa=gqa)
         elif isinstance(mask, VarlenMask):
             y = varlen_attention(q, k, v, mask)
         elif self.cfg.attn_backend != "eager":
@@ -436,9 +429,8 @@ class MLP(nn.Module):
         self.w_down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x):
-        if self.w_gate is not None:  # SwiGLU: gate and up in one GEMM, over weights concatenated at run time
-            gate, up = F.linear(x, torch.cat([self.w_gate.weight, self.w_up.weight])).chunk(2, dim=-1)
-            return self.w_down(F.silu(gate) * up)
+        if self.w_gate is not None:  # SwiGLU
+            return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
         return self.w_down(F.gelu(self.w_up(x)))
 
 

@@ -1,7 +1,8 @@
-"""model.py's fast paths against the textbook forms bench.py keeps to time them: RoPE without a
-concatenation (bench.rope_by_halves) and one GEMM for q, k, v and the attention gate and one for SwiGLU's gate and up
-(bench.use_slow_forms). Values bitwise where the arithmetic is the same; the gradients, whose
-sums run in another order, within the rounding stated at each test."""
+"""model.py's forms against the other forms bench.py keeps to time them: RoPE without a
+concatenation against the textbook halves (bench.rope_by_halves), and one GEMM per matrix against
+one for q, k, v and the gate and one for SwiGLU's gate and up (bench.use_other_forms). Values bitwise
+where the arithmetic is the same; the gradients, whose sums run in another order, within the
+rounding stated at each test."""
 import collections
 import copy
 from dataclasses import replace
@@ -59,42 +60,42 @@ def test_rope_concatenates_no_activations():
     assert all(n <= 9 * 16 for n in calls.cat_sizes), calls.cat_sizes
 
 
-# --- one GEMM for q, k, v, gate and one for SwiGLU's gate, up ------------------------------------------------
+# --- one GEMM per matrix, or one for q, k, v, gate and one for SwiGLU's gate, up ------------------------------------------------
 
 @pytest.mark.parametrize("mlp, gate", [("swiglu", "elementwise"), ("swiglu", "none"), ("gelu", "headwise")])
-def test_a_block_makes_one_gemm_for_qkv_and_gate_and_one_for_gate_and_up(mlp, gate):
+def test_a_block_makes_one_gemm_per_matrix_and_the_fused_form_four(mlp, gate):
     cfg = GPTConfig(d_model=64, n_head=4, n_kv_head=2, mlp=mlp, attn_gate=gate)
     block = Block(cfg)
     x = torch.randn(2, 5, 64)
     counts = []
-    for slow in ((), ("separate-gemms",)):
+    for forms in ((), ("fused-gemms",)):
         model = torch.nn.Module()
         model.layers = torch.nn.ModuleList([copy.deepcopy(block)])
-        bench.use_slow_forms(model, slow)
+        bench.use_other_forms(model, forms)
         with Calls() as calls:
             model.layers[0](x, None)
         counts.append(calls.count[F.linear])
-    # q/k/v/gate, wo; gate/up (or up), down: as many GEMMs as a plain GPT's block.
-    assert counts[0] == 4
-    assert counts[1] == counts[0] + 2 + (gate != "none") + (mlp == "swiglu")
+    # q, k, v, the gate (if any), wo; gate and up (or up), down. Fused: q/k/v/gate, wo, gate/up, down.
+    assert counts[0] == 3 + (gate != "none") + 1 + 1 + (mlp == "swiglu") + 1
+    assert counts[1] == 4
 
 
 CONFIGS = [dict(), dict(attn_gate="headwise", n_kv_head=1), dict(mlp="gelu", attn_gate="none", n_kv_head=2)]
 
 
-def fast_and_slow(dtype, **overrides):
+def model_and_fused(dtype, **overrides):
     torch.manual_seed(0)
-    fast = GPT(GPTConfig(vocab_size=97, n_layer=2, n_head=4, d_model=64, max_seq_len=64, **overrides))
-    init_model_(fast, gamma=1.0)
-    fast.to(dtype)
-    slow = copy.deepcopy(fast)
-    bench.use_slow_forms(slow, ("separate-gemms",))
-    return fast, slow
+    model = GPT(GPTConfig(vocab_size=97, n_layer=2, n_head=4, d_model=64, max_seq_len=64, **overrides))
+    init_model_(model, gamma=1.0)
+    model.to(dtype)
+    fused = copy.deepcopy(model)
+    bench.use_other_forms(fused, ("fused-gemms",))
+    return model, fused
 
 
-def grads_agree(fast, slow, rel):
+def grads_agree(a_net, b_net, rel):
     """Every parameter's gradient within rel x the largest |gradient| of that parameter."""
-    for (name, p), q in zip(fast.named_parameters(), slow.parameters()):
+    for (name, p), q in zip(a_net.named_parameters(), b_net.parameters()):
         a, b = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in (p.grad, q.grad)]
         assert torch.allclose(a.float(), b.float(), rtol=0, atol=rel * b.float().abs().max().item()), name
 
@@ -104,9 +105,9 @@ def grads_agree(fast, slow, rel):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("overrides", CONFIGS)
 def test_the_fused_projection_is_bitwise_the_separate_ones(dtype, overrides):
-    fast, slow = fast_and_slow(dtype, **overrides)
+    model, fused = model_and_fused(dtype, **overrides)
     x = torch.randn(3, 40, 64, generator=torch.Generator().manual_seed(5)).to(dtype)
-    for got, want in zip(fast.layers[0].attn.project(x), slow.layers[0].attn.project(x), strict=True):
+    for got, want in zip(fused.layers[0].attn.project(x), model.layers[0].attn.project(x), strict=True):
         assert (got is None and want is None) or torch.equal(got, want)
 
 
@@ -120,16 +121,16 @@ def test_the_fused_projection_is_bitwise_the_separate_ones(dtype, overrides):
 @pytest.mark.parametrize("dtype, rel, forward_rel", [(torch.float32, 2e-6, 1e-6), (torch.bfloat16, 2 ** -6, 2 ** -6)])
 @pytest.mark.parametrize("overrides", CONFIGS)
 def test_fused_gemms_match_separate_ones(dtype, rel, forward_rel, overrides):
-    fast, slow = fast_and_slow(dtype, **overrides)
+    model, fused = model_and_fused(dtype, **overrides)
     idx = torch.randint(97, (3, 40), generator=torch.Generator().manual_seed(1))
-    logits, want = fast(idx)[0].float(), slow(idx)[0].float()
+    want, logits = model(idx)[0].float(), fused(idx)[0].float()
     assert torch.allclose(logits, want, rtol=0, atol=forward_rel * want.abs().max().item())
-    (_, loss_fast), (_, loss_slow) = fast(idx, idx), slow(idx, idx)
-    assert torch.allclose(loss_fast, loss_slow, rtol=forward_rel, atol=0)
-    loss_fast.backward()
-    loss_slow.backward()
-    grads_agree(fast, slow, rel)
-    assert fast.generate(idx[:, :4], 8) == slow.generate(idx[:, :4], 8)  # the KV-cache path
+    (_, loss_model), (_, loss_fused) = model(idx, idx), fused(idx, idx)
+    assert torch.allclose(loss_model, loss_fused, rtol=forward_rel, atol=0)
+    loss_model.backward()
+    loss_fused.backward()
+    grads_agree(model, fused, rel)
+    assert model.generate(idx[:, :4], 8) == fused.generate(idx[:, :4], 8)  # the KV-cache path
 
 
 def test_fused_gemms_under_fsdp2_bf16_mixed_precision():
@@ -139,7 +140,7 @@ def test_fused_gemms_under_fsdp2_bf16_mixed_precision():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         block_mp, root_mp = train.mixed_precision(torch.device("cuda"))
-        nets = fast_and_slow(torch.float32)
+        nets = model_and_fused(torch.float32)
         seen = []
         for net in nets:
             for block in net.layers:
@@ -180,45 +181,45 @@ def test_a_compiled_block_matches_the_eager_one():
     grads_agree(compiled, block, 2e-6)
 
 
-# --- bench.py's slow-form variants ------------------------------------------------------------
+# --- bench.py's variants of other forms ------------------------------------------------------------
 
 def test_full_loss_is_the_chunked_loss():
-    fast, _ = fast_and_slow(torch.float32)
+    model, _ = model_and_fused(torch.float32)
     idx = torch.randint(97, (3, 40), generator=torch.Generator().manual_seed(3))
     targets = idx.clone()
     targets[0, :7] = -1  # ignored positions count in neither
-    logp = torch.log_softmax(fast(idx)[0].double(), -1).gather(-1, targets.clamp_min(0)[..., None])[..., 0]
+    logp = torch.log_softmax(model(idx)[0].double(), -1).gather(-1, targets.clamp_min(0)[..., None])[..., 0]
     by_hand = -logp[targets != -1].mean()
-    for loss in (bench.full_loss(fast, idx, targets), fast(idx, targets)[1]):
+    for loss in (bench.full_loss(model, idx, targets), model(idx, targets)[1]):
         assert loss.dtype == torch.float32 and torch.allclose(loss.double(), by_hand, rtol=1e-6)
 
 
 def test_rope_per_block_is_the_same_model():
     # The angles GPT.forward hands the blocks are those a block derives itself: the same values.
-    fast, _ = fast_and_slow(torch.float32)
-    per_block = copy.deepcopy(fast)
-    bench.use_slow_forms(per_block, ("rope-per-block",))
+    model, _ = model_and_fused(torch.float32)
+    per_block = copy.deepcopy(model)
+    bench.use_other_forms(per_block, ("rope-per-block",))
     idx = torch.randint(97, (3, 40), generator=torch.Generator().manual_seed(4))
-    assert torch.equal(fast(idx)[0], per_block(idx)[0])
-    assert fast.generate(idx[:, :4], 8) == per_block.generate(idx[:, :4], 8)  # positions past the cache start
+    assert torch.equal(model(idx)[0], per_block(idx)[0])
+    assert model.generate(idx[:, :4], 8) == per_block.generate(idx[:, :4], 8)  # positions past the cache start
 
 
-def test_slow_variants_use_their_forms_and_step():
+def test_variants_of_other_forms_use_them_and_step():
     v = {x.name: x for x in bench.cpu_variants()}
     g = bench.Group("t", dict(vocab_size=64, n_layer=1, n_head=2, d_model=64), batch=2, seq_len=16, dtype="float32")
     runners = {name: bench.Runner(replace(v[name], group=g, compile=False), torch.device("cpu"))
-               for name in ("default", "rope-halves", "separate-gemms", "full-loss", "rope-per-block-compiled")}
+               for name in ("default", "rope-halves", "fused-gemms", "full-loss", "rope-per-block-compiled")}
     forms = {name: (isinstance(r.model.layers[0].attn, bench.RopeByHalves),
-                    isinstance(r.model.layers[0].attn, bench.SeparateProjections),
-                    isinstance(r.model.layers[0].mlp, bench.SeparateGateUp),
+                    isinstance(r.model.layers[0].attn, bench.FusedProjections),
+                    isinstance(r.model.layers[0].mlp, bench.FusedGateUp),
                     isinstance(r.model.layers[0].attn, bench.RopePerBlock)) for name, r in runners.items()}
     assert forms == {"default": (False,) * 4, "rope-halves": (True, False, False, False),
-                     "separate-gemms": (False, True, True, False), "full-loss": (False,) * 4,
+                     "fused-gemms": (False, True, True, False), "full-loss": (False,) * 4,
                      "rope-per-block-compiled": (False, False, False, True)}
     assert [name for name, x in v.items() if x.full_loss] == ["full-loss"]
     for r in runners.values():
         before = [p.detach().clone() for p in r.model.parameters()]
         r.step()
         assert all(not torch.equal(a, p) for a, p in zip(before, r.model.parameters())), r.v.name
-    with pytest.raises(ValueError, match="slow forms \\['typo'\\]"):
-        bench.use_slow_forms(runners["default"].model, ("typo",))
+    with pytest.raises(ValueError, match="forms \\['typo'\\]"):
+        bench.use_other_forms(runners["default"].model, ("typo",))

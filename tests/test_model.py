@@ -140,7 +140,7 @@ def test_gate_is_query_dependent_and_zero_gate_halves_the_output():
     x = torch.randn(1, 12, 64)
     mask = torch.ones(12, 12, dtype=torch.bool).tril()
     gates = []
-    attn.gate_tap.register_forward_hook(lambda m, args, out: gates.append(torch.sigmoid(out)))
+    attn.wg.register_forward_hook(lambda m, args, out: gates.append(torch.sigmoid(out)))
     attn(x, mask)
     x2 = x.clone()
     x2[0, 5] += 1.0
