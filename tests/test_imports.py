@@ -64,7 +64,7 @@ def test_no_import_cycles_among_top_level_files():
 # The core a run needs, and the study's tools and the data ingester, which it must not load: a fork
 # that keeps the core alone still trains, evaluates its checkpoints' data and resumes.
 CORE = ("model", "analysis", "init", "data", "train", "checkpoint", "configurator", "fileio")
-TOOLS = ("eval", "report", "sweep", "bench", "quickstart", "gpu_check", "prepare_data", "downstream")
+TOOLS = ("eval", "report", "sweep", "launch", "bench", "quickstart", "gpu_check", "prepare_data", "downstream")
 ALLOWED = {"train": {"downstream"}}  # the one tool train.py may use (its benchmarks)
 
 
