@@ -1,8 +1,9 @@
 """
 The child processes of the launchers (sweep.py's points, quickstart.py's steps): each starts in its
 own session, and all of them stop when the launcher is stopped (SIGTERM, Ctrl-C, a closed
-terminal) or, on Linux, killed, so no training outlives its launcher to hold a run folder. And
-the check of a launcher's outputs before anything runs (check_outputs).
+terminal) or, on Linux, killed, so no training outlives its launcher to hold a run folder
+(die_with_parent also ties prepare_data.py's pool workers to it). And the check of a launcher's
+outputs before anything runs (check_outputs).
 """
 
 import ctypes

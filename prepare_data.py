@@ -52,6 +52,7 @@ from configurator import at_least
 from data import FORMAT_VERSION, HEADER, HEADER_BYTES, MAGIC, get_tokenizer, is_int, progress_bar, read_meta
 from fileio import (NotOwnFile, atomic_open, atomic_write_bytes, file_kind, lock_holder, naming, open_nofollow,
                     parse_json, sha256_of)
+from launch import die_with_parent
 
 
 def usable_cores():
@@ -372,6 +373,13 @@ def source_file_stats(source):
     return [[f, st.st_size, st.st_mtime_ns] for f in sorted(files) for st in [os.stat(f)]]
 
 
+def size_text(size):
+    """A file size as a message shows it. One recorded in a cache marker or meta.json may be any int:
+    a 500-digit one, printed whole, would bury the line's file and fix."""
+    digits = str(abs(size))
+    return f"{size:,}" if len(digits) <= 20 else f"{str(size)[:20]}... ({len(digits)} digits)"
+
+
 def file_changes(was, now):
     """Phrases naming each file that differs between two {source: source_file_stats} records."""
     old = {(name, f): (size, mtime) for name, rows in was.items() for f, size, mtime in rows}
@@ -383,7 +391,7 @@ def file_changes(was, now):
         elif (name, f) not in old:
             changes.append(f"{f} was added")
         elif old[name, f][0] != new[name, f][0]:
-            changes.append(f"{f} changed size ({old[name, f][0]:,} -> {new[name, f][0]:,} bytes)")
+            changes.append(f"{f} changed size ({size_text(old[name, f][0])} -> {size_text(new[name, f][0])} bytes)")
         elif old[name, f] != new[name, f]:
             changes.append(f"{f} was modified (same size, new mtime)")
     return changes
@@ -616,11 +624,21 @@ def chunk_texts(batches, chars):
 _worker_enc = None
 
 
-def init_worker(tokenizer, tokenizer_dir):
+def init_worker(tokenizer, tokenizer_dir, tie_to_parent):
+    """First in each pool worker. tie_to_parent (launch.die_with_parent's request, None off Linux) has it
+    SIGTERMed when the thread that forked it ends: a SIGKILLed run's worker would otherwise finish the task
+    it holds (a long document: minutes) before its pipe's end stops it, keeping the memory and the lock on
+    --out it inherited, so the rerun is refused. Pool forks its workers in the thread that makes it, and a
+    replacement in its worker-handler thread, which lives as long as the pool."""
     global _worker_enc
     # Ctrl-C reaches the whole process group: the main process stops the pool and says one line;
     # workers that took it too would each print a traceback
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM (the parent's death, Pool.terminate) must end the worker, not run a handler inherited from a
+    # program that imported this module; set before the request, which may send it at once
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if tie_to_parent is not None:
+        tie_to_parent()
     _worker_enc = get_tokenizer(tokenizer, tokenizer_dir)
 
 
@@ -1048,7 +1066,11 @@ def build_text(args, sources, names, enc, settings, files):
     os.makedirs(cache_dir, exist_ok=True)  # check_out_folder: a folder of its own if it is there
     dtype = token_dtype(enc.n_vocab)
     caches, timings = [], []
-    with multiprocessing.Pool(args.workers, init_worker, (args.tokenizer, args.tokenizer_dir)) as pool:
+    # forked where the request is made (Linux): the request names this process as the parent, and
+    # Python 3.14's forkserver would fork the workers from another (and pickle the request, which fails)
+    tie_to_parent = die_with_parent()
+    context = multiprocessing.get_context("fork" if tie_to_parent else None)
+    with context.Pool(args.workers, init_worker, (args.tokenizer, args.tokenizer_dir, tie_to_parent)) as pool:
         for s, weight in zip(sources, normalized_weights(sources)):
             caps = [c for c in (s.max_tokens, args.max_tokens and int(round(weight * args.max_tokens))) if c]
             fingerprint = {"source": asdict(s), "tokenizer": args.tokenizer, "cap": min(caps, default=None),
