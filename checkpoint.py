@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from model import GPT, GPTConfig
 from fileio import (WRITE_LIMITS, NotOwnFile, atomic_open, atomic_write_bytes, file_kind, lock_holder, naming,
-                    open_nofollow, open_regular, parse_json, read_json, sha256_file, sha256_of, write_json)
+                    open_nofollow, open_regular, parse_json, path_kind, read_json, sha256_file, sha256_of, write_json)
 
 # ----------------------------------------------------------------------------- reading without running code
 # DCP unpickles .metadata with plain pickle.load and torch.loads its byte entries (the optimizer's
@@ -872,16 +872,21 @@ def load_checkpoint(path, meta, net, opt, loader, cfg_weight_decay, verify=True)
             torch.cuda.set_rng_state(rng["cuda"])
 
 
+CKPT_FIX = "pass a .pt export, a complete checkpoint folder or a run folder written by train.py"
+
+
 def find_checkpoints(path):
     """Checkpoint paths in a run folder (complete ckpt_* folders, step order), or [path] for a
     complete checkpoint folder or a file. Anything else is a one-line error saying what it is."""
-    if not (os.path.isfile(path) or os.path.isdir(path)):
-        raise FileNotFoundError(f"{path}: no such checkpoint file or folder")
-    if os.path.isfile(path):
+    kind = path_kind(path)
+    if kind is None:
+        raise FileNotFoundError(f"{path}: no such checkpoint file or folder; {CKPT_FIX}")
+    if kind == "a file":
         return [path]
+    if kind != "a folder":
+        raise ValueError(f"{path} is {kind}, not a checkpoint: {CKPT_FIX}")
     if glob.glob(os.path.join(path, "*_000000.bin")):  # prepare_data.py's first shard of a split
-        raise ValueError(f"{path} is a data folder (prepare_data.py output), not a checkpoint: pass a run folder, "
-                         f"a ckpt_* folder or a .pt export")
+        raise ValueError(f"{path} is a data folder (prepare_data.py output), not a checkpoint: {CKPT_FIX}")
     if os.path.exists(os.path.join(path, "meta.json")) or os.path.exists(os.path.join(path, ".metadata")):
         problem = checkpoint_problem(path)
         if problem:
@@ -893,8 +898,7 @@ def find_checkpoints(path):
     found, damaged = scan_checkpoints(path)
     if not found:
         what = f"only damaged checkpoints ({damaged[-1][0]}: {damaged[-1][1]})" if damaged else "no ckpt_* folders"
-        raise ValueError(f"{path}: {what}; pass a .pt export, a complete checkpoint folder or a run folder "
-                         "written by train.py")
+        raise ValueError(f"{path}: {what}; {CKPT_FIX}")
     return found
 
 
@@ -1030,16 +1034,25 @@ def read_export(path, device="cpu", follow=True):
     return blob
 
 
+def make_export_parent(out):
+    """Make the folder an export (pt file or hf folder) goes into, with the folders above it, as
+    transformers' save_pretrained does; a file where a folder is needed is one line."""
+    parent = os.path.dirname(os.path.abspath(out))
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"export: {out} would go in {parent}, but a file stands where a folder is needed: "
+                         f"choose another path") from None
+
+
 def check_export_target(out_file):
-    """Raise unless export may write out_file: absent, or an earlier export (read_export on the meta device: its
-    weights are not read). A data folder's or a checkpoint's meta.json, a device, a folder or a link there is
-    someone else's, and the rename that puts an export in place would destroy it."""
+    """Make out_file's folder (make_export_parent), then raise unless export may write out_file: absent, or an
+    earlier export (read_export on the meta device: its weights are not read). A data folder's or a checkpoint's
+    meta.json, a device, a folder or a link there is someone else's, and the rename that puts an export in place
+    would destroy it."""
     if not out_file:
         raise ValueError("export: OUT is empty: name the .pt file to write, e.g. model.pt")
-    parent = os.path.dirname(os.path.abspath(out_file))
-    if not os.path.isdir(parent):
-        raise ValueError(f"export: {out_file} is in {parent}, which is not an existing folder: create it or choose "
-                         f"another path")
+    make_export_parent(out_file)
     try:
         mode = os.lstat(out_file).st_mode
     except FileNotFoundError:

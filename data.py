@@ -33,7 +33,7 @@ import tiktoken
 import torch
 from tqdm import tqdm
 
-from fileio import NotOwnFile, open_regular, parse_json, sha256_file
+from fileio import NotOwnFile, open_regular, parse_json, path_kind, sha256_file
 
 FORMAT_VERSION = 1
 MAGIC = b"SITOKENS"
@@ -92,8 +92,11 @@ def load_offline_tokenizer(name, folder):
     """Build a tiktoken encoding from published files in `folder`, after checking their sha256."""
     if name not in OFFLINE_SETS:
         raise ValueError(f"no offline file set for tokenizer {name!r}; known: {sorted(OFFLINE_SETS)} or 'bytes'")
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"tokenizer folder {folder} does not exist")
+    kind = path_kind(folder)
+    if kind != "a folder":
+        raise FileNotFoundError(f"tokenizer folder {folder} {'does not exist' if kind is None else 'is ' + kind}: "
+                                f"pass the folder holding the published tokenizer files (e.g. the offline data "
+                                f"kit's tokenizers/)")
     wanted = []
     for load_name, files in OFFLINE_SETS[name]:
         paths = {f: find_tokenizer_file(folder, f) for f in files}

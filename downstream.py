@@ -43,7 +43,7 @@ from anchor import ANCHOR_SHIFTS, anchor_accuracy, anchor_answer_kinds, anchor_f
 from checkpoint import load_model
 from configurator import at_least
 from data import check_model_vocab, get_tokenizer, load_meta, progress_bar, read_records
-from fileio import atomic_write_bytes, parse_json
+from fileio import atomic_write_bytes, parse_json, path_kind
 from model import GPT, generate
 
 # ----------------------------------------------------------------------------- a checkpoint's data and tokenizer
@@ -60,6 +60,9 @@ def data_dir_of(args, info):
     data = args.data or (info.get("config") or {}).get("data_dir")
     if not data:
         raise ValueError("no validation data: pass --data <folder written by prepare_data.py>")
+    kind = path_kind(data)
+    if kind not in (None, "a folder"):  # else "DATA/meta.json not found", as if the folder were incomplete
+        raise ValueError(f"{data} is {kind}, not a data folder: pass --data <folder written by prepare_data.py>")
     if not os.path.isfile(os.path.join(data, "meta.json")):
         raise FileNotFoundError(f"{data}/meta.json not found: pass --data <folder written by prepare_data.py>"
                                 + ("" if args.data else " (the run's data_dir is gone or was on another machine)"))
@@ -81,11 +84,19 @@ def check_data_fits(data, model, info):
 LOCAL_COPIES = {"hellaswag": "hellaswag_val_full.txt.bz2", "gsm8k": "test.jsonl", "math500": "test.jsonl"}
 
 
+def file_problem(path, what):
+    """None where path is a plain file (or a link to one), else why it is not `what` ("a gsm8k file"): missing,
+    or what it is instead. A FIFO is named, never opened: reading one waits for a writer forever."""
+    kind = path_kind(path)
+    return None if kind == "a file" else "no such file" if kind is None else f"{kind}, not {what}"
+
+
 def check_source(source, task):
-    """--source is 'hub' or a local file; a missing file is named, never sent to the hub."""
-    if source != "hub" and not os.path.isfile(source):
-        raise FileNotFoundError(f"--source {source}: no such file; pass a local {task} file in its published "
-                                f"format (e.g. {task}/{LOCAL_COPIES[task]} of the offline data kit) or 'hub'")
+    """--source is 'hub' or a local file; anything else (missing, a FIFO) is named, never sent to the hub."""
+    problem = source != "hub" and file_problem(source, f"a {task} file")
+    if problem:
+        raise ValueError(f"--source {source}: {problem}; pass a local {task} file in its published format "
+                         f"(e.g. {task}/{LOCAL_COPIES[task]} of the offline data kit) or 'hub'")
 
 
 def load_hub(task, *names, split):
@@ -373,7 +384,10 @@ def gsm8k_convention(fewshot_source, shots):
                         "'The answer is N.', flexible_match the last number",
                 "exemplars": GSM8K_COT[:shots], "template": "Q: {}\nA:", "stop": "Q:",
                 "strict": r"The answer is (\-?[0-9\.\,]+)."}
-    check_source(fewshot_source, "gsm8k")
+    problem = file_problem(fewshot_source, "a gsm8k file")
+    if problem:  # no 'hub' here: the exemplars come from a local train file
+        raise ValueError(f"--fewshot-source {fewshot_source}: {problem}; pass gsm8k's train.jsonl in its published "
+                         "format (its first --shots records are the exemplars)")
     shots = 5 if shots is None else shots
     records = check_records(read_jsonl(fewshot_source), "gsm8k", fewshot_source)[:shots]
     if len(records) < shots:
@@ -892,8 +906,9 @@ def hellaswag_bench(source, limit, data_dir, meta, model_cfg, truncate, tokenize
     if not source:
         raise ValueError(f"config: bench_source is empty: bench_task='hellaswag' needs a HellaSwag file ({kit}) "
                          f"or 'hub'")
-    if source != "hub" and not os.path.isfile(source):
-        raise ValueError(f"config: bench_source={source!r}: no such file; pass a HellaSwag file ({kit})")
+    problem = source != "hub" and file_problem(source, "a HellaSwag file")
+    if problem:
+        raise ValueError(f"config: bench_source={source!r}: {problem}; pass a HellaSwag file ({kit})")
     try:
         items = read_hellaswag(source)[0][:limit]
     except (OSError, EOFError, ValueError) as e:  # bz2, JSON, UTF-8 or layout (check_records) errors

@@ -30,7 +30,7 @@ def sha256_of(f):
 
 
 def sha256_file(path):
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:  # a FIFO is refused (NotOwnFile), not read forever
         return sha256_of(f)
 
 
@@ -69,6 +69,15 @@ def file_kind(mode):
     kinds = {stat.S_ISREG: "a file", stat.S_ISLNK: "a symlink", stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket",
              stat.S_ISDIR: "a folder", stat.S_ISCHR: "a device", stat.S_ISBLK: "a device"}
     return next((kind for test, kind in kinds.items() if test(mode)), "a special file")
+
+
+def path_kind(path):
+    """What path leads to (symlinks followed) as a message names it (file_kind: "a file", "a FIFO",
+    "a folder", ...), or None where nothing is: told apart, a FIFO is not reported as missing."""
+    try:
+        return file_kind(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 def open_regular(path, flags=os.O_RDONLY, follow=True):

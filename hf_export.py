@@ -24,8 +24,9 @@ import shutil
 import sys
 import tempfile
 
-from checkpoint import load_model, sigint_held, write_limit_error
+from checkpoint import load_model, make_export_parent, sigint_held, write_limit_error
 from data import get_tokenizer
+from fileio import file_kind
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 MODELING_FILE = "modeling_smallinit.py"
@@ -196,7 +197,10 @@ def check_replaceable(out_dir):
         except FileNotFoundError:
             return
         except NotADirectoryError:  # also a link, to a folder or not: replacing it would swap the link
-            what = "a symlink" if os.path.islink(out_dir) else "a file"
+            try:
+                what = file_kind(os.lstat(out_dir).st_mode)
+            except FileNotFoundError:  # gone since the open: look again
+                continue
             break
         try:
             if not os.listdir(fd) or has_marker(fd):
@@ -255,10 +259,10 @@ def put_in_place(tmp, out_dir):
 
 def write_folder(out_dir, write):
     """write(tmp) fills a fresh folder that then becomes out_dir in one rename: a reader never sees
-    half an export. An earlier export at out_dir is replaced; anything else there is refused."""
+    half an export. An earlier export at out_dir is replaced; anything else there is refused. out_dir's
+    folder must exist (export_hf makes it first, as the pt export does)."""
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=os.path.basename(out_dir) + ".", suffix=".tmp")
     try:
         write(tmp)
@@ -282,6 +286,7 @@ def export_hf(ckpt, out_dir, tokenizer_dir=None):
     """Write CKPT (any checkpoint checkpoint.load_model loads) as a transformers folder; returns the architecture."""
     if not out_dir:  # abspath would make it the current folder, and the refusal would advise removing that
         raise ValueError("export: OUT_DIR is empty: name the folder to write, e.g. out/hf/model")
+    make_export_parent(out_dir)
     check_replaceable(os.path.abspath(out_dir))  # before the work, not only before the rename
     require("transformers", "the config and tokenizer classes")
     safetensors_torch = require("safetensors.torch", "writes model.safetensors")

@@ -558,7 +558,11 @@ def run_report(args):
         raise ValueError("--plot-together draws the sweeps' rows in one plot: give --plot-x too (e.g. lr)")
     groups = {}
     for path in args.results:
-        result, why = read_result(path)
+        try:
+            result, why = read_result(path)
+        except OSError as e:  # missing (a typo: not skipped), a folder, a FIFO (not opened)
+            raise ValueError(f"{path} is not a result file ({e.strerror or e}): pass eval.py --json-out or sweep.py "
+                             "result JSONs (e.g. out/*.json)") from None
         if why:
             # `report results/*.json` meets the study's other JSON files (bench timings, data
             # fingerprints): named and passed over, not a KeyError on the first of them.

@@ -103,16 +103,25 @@ def test_reexport_replaces_an_earlier_export(run6, tmp_path):
 
 @pytest.mark.parametrize("out, message", [
     ("", "export: OUT is empty: name the .pt file to write, e.g. model.pt"),
-    ("missing/model.pt", "export: missing/model.pt is in {tmp}/missing, which is not an existing folder: create it "
-                         "or choose another path"),
+    ("notes.txt/model.pt", "export: notes.txt/model.pt would go in {tmp}/notes.txt, but a file stands where a "
+                           "folder is needed: choose another path"),
 ])
-def test_export_to_nothing_or_into_no_folder_is_one_line(run6, tmp_path, monkeypatch, out, message):
+def test_export_to_nothing_or_into_a_file_is_one_line(run6, tmp_path, monkeypatch, out, message):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("the user's own file\n")
     before = listing(tmp_path.parent)
     with pytest.raises(ValueError) as e:
         checkpoint.export(os.path.join(run6, NEWEST), out)
     assert str(e.value) == message.format(tmp=tmp_path)
-    assert os.listdir(tmp_path) == [] and listing(tmp_path.parent) == before  # '' named the cwd's parent's file
+    assert os.listdir(tmp_path) == ["notes.txt"] and listing(tmp_path.parent) == before  # '' named the cwd's parent
+    assert (tmp_path / "notes.txt").read_text() == "the user's own file\n"
+
+
+def test_export_makes_its_missing_folder(run6, tmp_path):
+    # As the hf export does (tests/test_faults_messages.py), and transformers' save_pretrained.
+    out = tmp_path / "exports" / "sub" / "model.pt"
+    checkpoint.export(os.path.join(run6, NEWEST), str(out))
+    assert torch.load(out, weights_only=True)["step"] == 6 and os.listdir(out.parent) == ["model.pt"]
 
 
 def test_hf_export_to_nothing_is_one_line_that_does_not_name_the_current_folder(run6, tmp_path, monkeypatch):
