@@ -1034,25 +1034,30 @@ def read_export(path, device="cpu", follow=True):
     return blob
 
 
-def make_export_parent(out):
-    """Make the folder an export (pt file or hf folder) goes into, with the folders above it, as
-    transformers' save_pretrained does; a file where a folder is needed is one line."""
+def check_export_parent(out, make=False):
+    """Raise unless out's folder exists or can be made: the nearest path above it that exists must be a folder.
+    make=True makes the missing folders (as transformers' save_pretrained does), right before the export is
+    written, so that a refused export leaves no new folders behind."""
     parent = os.path.dirname(os.path.abspath(out))
-    try:
+    existing = parent
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):  # symlinks followed: a linked folder is a folder
+        what = file_kind(os.lstat(existing).st_mode)
+        raise ValueError(f"export: {out} would go in {parent}, but {existing} is {what}, not a folder: choose "
+                         f"another path")
+    if make:
         os.makedirs(parent, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise ValueError(f"export: {out} would go in {parent}, but a file stands where a folder is needed: "
-                         f"choose another path") from None
 
 
 def check_export_target(out_file):
-    """Make out_file's folder (make_export_parent), then raise unless export may write out_file: absent, or an
-    earlier export (read_export on the meta device: its weights are not read). A data folder's or a checkpoint's
-    meta.json, a device, a folder or a link there is someone else's, and the rename that puts an export in place
-    would destroy it."""
+    """Raise unless export may write out_file: in a folder that exists or can be made (check_export_parent), and
+    absent or an earlier export (read_export on the meta device: its weights are not read). A data folder's or a
+    checkpoint's meta.json, a device, a folder or a link there is someone else's, and the rename that puts an
+    export in place would destroy it."""
     if not out_file:
         raise ValueError("export: OUT is empty: name the .pt file to write, e.g. model.pt")
-    make_export_parent(out_file)
+    check_export_parent(out_file)
     try:
         mode = os.lstat(out_file).st_mode
     except FileNotFoundError:
@@ -1082,6 +1087,7 @@ def export(ckpt_dir, out_file):
                                                                  "code_version") if k in info}}
     need = sum(t.nbytes for t in payload["model"].values())
     try:
+        check_export_parent(out_file, make=True)
         with atomic_open(out_file) as f:
             torch.save(payload, f)
             check_export_target(out_file)  # again: something may have appeared there while the model was read

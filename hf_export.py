@@ -24,7 +24,7 @@ import shutil
 import sys
 import tempfile
 
-from checkpoint import load_model, make_export_parent, sigint_held, write_limit_error
+from checkpoint import check_export_parent, load_model, sigint_held, write_limit_error
 from data import get_tokenizer
 from fileio import file_kind
 
@@ -259,8 +259,9 @@ def put_in_place(tmp, out_dir):
 
 def write_folder(out_dir, write):
     """write(tmp) fills a fresh folder that then becomes out_dir in one rename: a reader never sees
-    half an export. An earlier export at out_dir is replaced; anything else there is refused. out_dir's
-    folder must exist (export_hf makes it first, as the pt export does)."""
+    half an export. An earlier export at out_dir is replaced; anything else there is refused. Missing folders
+    above out_dir are made (check_export_parent), as the pt export makes them."""
+    check_export_parent(out_dir, make=True)
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     tmp = tempfile.mkdtemp(dir=parent, prefix=os.path.basename(out_dir) + ".", suffix=".tmp")
@@ -286,7 +287,7 @@ def export_hf(ckpt, out_dir, tokenizer_dir=None):
     """Write CKPT (any checkpoint checkpoint.load_model loads) as a transformers folder; returns the architecture."""
     if not out_dir:  # abspath would make it the current folder, and the refusal would advise removing that
         raise ValueError("export: OUT_DIR is empty: name the folder to write, e.g. out/hf/model")
-    make_export_parent(out_dir)
+    check_export_parent(out_dir)
     check_replaceable(os.path.abspath(out_dir))  # before the work, not only before the rename
     require("transformers", "the config and tokenizer classes")
     safetensors_torch = require("safetensors.torch", "writes model.safetensors")

@@ -131,6 +131,9 @@ def test_hf_and_pt_exports_make_a_missing_folder_alike_and_refuse_a_file_in_its_
     pytest.importorskip("transformers", reason="the HF export needs transformers (Makefile test install)")
     # (the pt export of a checkpoint into a missing folder: tests/test_faults_run.py)
     out = tmp_path / "hf" / "sub" / "hf"
+    assert export_line(tmp_path / "no_such_run", out, "--format", "hf").endswith(f"no_such_run: no such checkpoint "
+                                                                               f"file or folder; {CKPT_FIX}")
+    assert os.listdir(tmp_path) == []  # refused for its input: no folder made
     p = subprocess.run([sys.executable, "train.py", "export", str(ckpt), str(out), "--format", "hf"], cwd=ROOT,
                        capture_output=True, text=True, env=launch_env(), timeout=120)
     assert p.returncode == 0 and (out / "config.json").is_file(), p.stderr
@@ -138,7 +141,8 @@ def test_hf_and_pt_exports_make_a_missing_folder_alike_and_refuse_a_file_in_its_
     for fmt, name in (("hf", "hf"), ("pt", "m.pt")):
         out = tmp_path / "notes.txt" / "sub" / name
         assert export_line(ckpt, out, "--format", fmt) == (
-            f"export: {out} would go in {out.parent}, but a file stands where a folder is needed: choose another path")
+            f"export: {out} would go in {out.parent}, but {tmp_path / 'notes.txt'} is a file, not a folder: "
+            "choose another path")
     assert sorted(os.listdir(tmp_path)) == ["hf", "notes.txt"]
     assert (tmp_path / "notes.txt").read_text() == "the user's own file\n"
 

@@ -103,8 +103,8 @@ def test_reexport_replaces_an_earlier_export(run6, tmp_path):
 
 @pytest.mark.parametrize("out, message", [
     ("", "export: OUT is empty: name the .pt file to write, e.g. model.pt"),
-    ("notes.txt/model.pt", "export: notes.txt/model.pt would go in {tmp}/notes.txt, but a file stands where a "
-                           "folder is needed: choose another path"),
+    ("notes.txt/sub/model.pt", "export: notes.txt/sub/model.pt would go in {tmp}/notes.txt/sub, but "
+                               "{tmp}/notes.txt is a file, not a folder: choose another path"),
 ])
 def test_export_to_nothing_or_into_a_file_is_one_line(run6, tmp_path, monkeypatch, out, message):
     monkeypatch.chdir(tmp_path)
@@ -117,9 +117,13 @@ def test_export_to_nothing_or_into_a_file_is_one_line(run6, tmp_path, monkeypatc
     assert (tmp_path / "notes.txt").read_text() == "the user's own file\n"
 
 
-def test_export_makes_its_missing_folder(run6, tmp_path):
-    # As the hf export does (tests/test_faults_messages.py), and transformers' save_pretrained.
+def test_export_makes_its_missing_folder_once_it_writes(run6, tmp_path):
+    # As the hf export does (tests/test_faults_messages.py), and transformers' save_pretrained; an export
+    # refused for its input leaves no new folder.
     out = tmp_path / "exports" / "sub" / "model.pt"
+    with pytest.raises(ValueError, match="is not a complete checkpoint folder"):
+        checkpoint.export(str(tmp_path / "no_such_run"), str(out))
+    assert os.listdir(tmp_path) == []
     checkpoint.export(os.path.join(run6, NEWEST), str(out))
     assert torch.load(out, weights_only=True)["step"] == 6 and os.listdir(out.parent) == ["model.pt"]
 
