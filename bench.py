@@ -144,7 +144,9 @@ class FusedProjections(Attention):
         B, T, _ = x.shape
         weights = [m.weight for m in (self.wq, self.wk, self.wv, self.wg) if m is not None]
         parts = F.linear(x, torch.cat(weights)).split([w.shape[0] for w in weights], dim=-1)
-        q, k, v = (p.view(B, T, -1, self.head_dim) for p in parts[:3])
+        # v as its own buffer, not a slice of the fused rows: compiled on CPU, inductor's
+        # flex_attention template reads such a strided value wrongly (errors of O(1)).
+        q, k, v = (p.view(B, T, -1, self.head_dim) for p in (parts[0], parts[1], parts[2].contiguous()))
         return q, k, v, None if self.wg is None else parts[3].view(B, T, self.n_head, -1)
 
 
@@ -575,6 +577,9 @@ def plan(variants, suite, steps, repeats, warmup, peak):
                 model = make_model(v)
             fpt = model.flops_per_token(group.seq_len)
             step_s = fpt * group.batch * group.seq_len / (peak * suite.assumed_mfu)
+            # Not v.fsdp: FSDP2's wrapping has dynamo trace the blocks again, but to the graphs of the
+            # same variant without it, which inductor's cache then serves (the CPU suite, cache
+            # emptied: default-compiled's first step 30.1 s, train-step-compiled's after it 1.0 s).
             structure = (group.name, v.reference, tuple(sorted(v.model.items())), v.forms)
             compile_s = suite.compile_s if v.compile and structure not in compiled else 0.0
             if v.compile:
@@ -605,7 +610,8 @@ def one_rank(device, needed):
     try:
         yield
     finally:
-        train.close_distributed()
+        if train.close_distributed():  # a Ctrl-C held back while the group was torn down
+            raise KeyboardInterrupt
 
 
 def parse_args(argv):

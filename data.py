@@ -94,9 +94,9 @@ def load_offline_tokenizer(name, folder):
         raise ValueError(f"no offline file set for tokenizer {name!r}; known: {sorted(OFFLINE_SETS)} or 'bytes'")
     kind = path_kind(folder)
     if kind != "a folder":
-        raise FileNotFoundError(f"tokenizer folder {folder} {'does not exist' if kind is None else 'is ' + kind}: "
-                                f"pass the folder holding the published tokenizer files (e.g. the offline data "
-                                f"kit's tokenizers/)")
+        error = FileNotFoundError if kind is None else ValueError
+        raise error(f"tokenizer folder {folder} {'does not exist' if kind is None else 'is ' + kind}: pass the "
+                    f"folder holding the published tokenizer files (e.g. the offline data kit's tokenizers/)")
     wanted = []
     for load_name, files in OFFLINE_SETS[name]:
         paths = {f: find_tokenizer_file(folder, f) for f in files}

@@ -84,7 +84,7 @@ def check_data_fits(data, model, info):
 LOCAL_COPIES = {"hellaswag": "hellaswag_val_full.txt.bz2", "gsm8k": "test.jsonl", "math500": "test.jsonl"}
 
 
-def file_problem(path, what):
+def not_a_file(path, what):
     """None where path is a plain file (or a link to one), else why it is not `what` ("a gsm8k file"): missing,
     or what it is instead. A FIFO is named, never opened: reading one waits for a writer forever."""
     kind = path_kind(path)
@@ -93,7 +93,7 @@ def file_problem(path, what):
 
 def check_source(source, task):
     """--source is 'hub' or a local file; anything else (missing, a FIFO) is named, never sent to the hub."""
-    problem = source != "hub" and file_problem(source, f"a {task} file")
+    problem = source != "hub" and not_a_file(source, f"a {task} file")
     if problem:
         raise ValueError(f"--source {source}: {problem}; pass a local {task} file in its published format "
                          f"(e.g. {task}/{LOCAL_COPIES[task]} of the offline data kit) or 'hub'")
@@ -384,7 +384,7 @@ def gsm8k_convention(fewshot_source, shots):
                         "'The answer is N.', flexible_match the last number",
                 "exemplars": GSM8K_COT[:shots], "template": "Q: {}\nA:", "stop": "Q:",
                 "strict": r"The answer is (\-?[0-9\.\,]+)."}
-    problem = file_problem(fewshot_source, "a gsm8k file")
+    problem = not_a_file(fewshot_source, "a gsm8k file")
     if problem:  # no 'hub' here: the exemplars come from a local train file
         raise ValueError(f"--fewshot-source {fewshot_source}: {problem}; pass gsm8k's train.jsonl in its published "
                          "format (its first --shots records are the exemplars)")
@@ -906,7 +906,7 @@ def hellaswag_bench(source, limit, data_dir, meta, model_cfg, truncate, tokenize
     if not source:
         raise ValueError(f"config: bench_source is empty: bench_task='hellaswag' needs a HellaSwag file ({kit}) "
                          f"or 'hub'")
-    problem = source != "hub" and file_problem(source, "a HellaSwag file")
+    problem = source != "hub" and not_a_file(source, "a HellaSwag file")
     if problem:
         raise ValueError(f"config: bench_source={source!r}: {problem}; pass a HellaSwag file ({kit})")
     try:

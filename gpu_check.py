@@ -16,9 +16,9 @@ correctness first and speed last, so that a lease cut short still brings back th
            with model.py's logits
   bench    bench.py --suite cuda, shortened: the default model vs the plain GPT at 0.1B and 1.5B
            (bf16, compiled as train.py compiles: blocks, final norm and loss chunks; flex), tokens/s
-           and MFU; at 0.1B also without the gate, with each of model.py's fast paths undone (RoPE
-           form, fused GEMMs, the chunked loss against eager full logits) and, uncompiled,
-           with the varlen attention backend in place of flex
+           and MFU; at 0.1B also without the gate, with the other forms of model.py (RoPE halves,
+           fused GEMMs, eager full logits against the chunked loss), as train.py's own FSDP2 step
+           (fp32 weights) and, uncompiled, with the varlen attention backend in place of flex
 --budget S caps the whole check (a step's limit shrinks to the time left); the summary JSON is
 rewritten after every step. Without CUDA (and without --dry-run) it exits 1 with one line.
 """

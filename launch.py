@@ -30,9 +30,10 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # kill PID, Ctrl-
 
 
 def die_with_parent():
-    """Runs in the child before it execs (Linux): SIGTERM when the thread that started it dies,
-    which covers a SIGKILLed launcher, the one death no handler sees. A launcher that died before
-    the request took effect has already orphaned the child: it exits instead."""
+    """A request for a forked child to run first (Linux; None elsewhere): before a launcher's child
+    execs, or as a pool worker starts. The child gets SIGTERM when the thread that forked it dies,
+    which covers a SIGKILLed parent, the one death no handler sees. A parent that died before the
+    request took effect has already orphaned the child: it exits instead."""
     parent = os.getpid()
 
     def request():

@@ -378,8 +378,7 @@ class Attention(nn.Module):
     def project(self, x):
         """q, k, v as (B, T, heads, head_dim) and the gate's logits (B, T, n_head, 1 or head_dim), None
         without a gate: one GEMM per matrix. Concatenated into one GEMM at run time (bench.py's
-        fused-gemms variant), a compiled CPU step was slower, not faster: both its GEMMs and its
-        elementwise kernels took longer (results/README.md, "Speed")."""
+        fused-gemms variant), a compiled CPU step was slower, not faster (results/README.md, "Speed")."""
         B, T, _ = x.shape
         q, k, v = (m(x).view(B, T, -1, self.head_dim) for m in (self.wq, self.wk, self.wv))
         return q, k, v, None if self.wg is None else self.wg(x).view(B, T, self.n_head, -1)

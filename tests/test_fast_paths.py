@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 import bench
 import train
-from model import GPT, Block, GPTConfig, apply_rope, init_model_, rope_cos_sin
+from model import GPT, Block, GPTConfig, apply_rope, compile_model_, init_model_, rope_cos_sin
 
 
 class Calls(TorchFunctionMode):
@@ -60,7 +60,7 @@ def test_rope_concatenates_no_activations():
     assert all(n <= 9 * 16 for n in calls.cat_sizes), calls.cat_sizes
 
 
-# --- one GEMM per matrix, or one for q, k, v, gate and one for SwiGLU's gate, up ------------------------------------------------
+# --- one GEMM per matrix, or one for q, k, v, gate and one for SwiGLU's gate, up ---------------------
 
 @pytest.mark.parametrize("mlp, gate", [("swiglu", "elementwise"), ("swiglu", "none"), ("gelu", "headwise")])
 def test_a_block_makes_one_gemm_per_matrix_and_the_fused_form_four(mlp, gate):
@@ -164,9 +164,9 @@ def test_fused_gemms_under_fsdp2_bf16_mixed_precision():
 
 @pytest.mark.slow
 def test_a_compiled_block_matches_the_eager_one():
-    # torch.compile of a block, as train.py and bench.py do: the weight concatenation and the
-    # RoPE view trace into one graph. Inductor fuses and reorders, so fp32 rounding differs:
-    # measured up to 5e-7 of the largest value, asserted 2e-6 like the eager comparison.
+    # torch.compile of a block, as train.py and bench.py do: the projections and the RoPE view
+    # trace into one graph. Inductor fuses and reorders, so fp32 rounding differs: measured up to
+    # 5e-7 of the largest value, asserted 2e-6 like the eager comparison.
     torch.manual_seed(0)
     block = Block(GPTConfig(d_model=64, n_head=4, n_kv_head=2))
     compiled = copy.deepcopy(block)
@@ -179,6 +179,19 @@ def test_a_compiled_block_matches_the_eager_one():
     yc.square().sum().backward()
     assert torch.allclose(x.grad, xc.grad, rtol=0, atol=2e-6 * x.grad.abs().max().item())
     grads_agree(compiled, block, 2e-6)
+
+
+@pytest.mark.slow
+def test_the_fused_form_under_compiled_flex_is_the_model():
+    # Compiled on CPU, inductor's flex_attention template read a value handed over as a strided slice
+    # of the fused GEMM's rows wrongly (logits off by 0.3 of 0.5): bench.FusedProjections copies v out.
+    model, fused = model_and_fused(torch.float32, attn_backend="flex", doc_mask=True, eot_id=3)
+    for net in (model, fused):
+        compile_model_(net)
+    idx = torch.randint(97, (2, 32), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():  # FlexAttention has no CPU backward
+        want, got = model(idx)[0], fused(idx)[0]
+    assert torch.allclose(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 
 # --- bench.py's variants of other forms ------------------------------------------------------------
