@@ -828,6 +828,15 @@ def write_limit(errors, folder, need_bytes):
     return None
 
 
+def export_write_error(error, out, need_bytes):
+    """The one-line error for an export's failed write of out (a file or folder): a write limit
+    (write_limit_error) or a folder it may not write in, else None."""
+    limit = write_limit_error(error, out, need_bytes)
+    if limit is None and getattr(error, "errno", None) in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return ValueError(f"export: cannot write {out} ({error.strerror}): choose a folder you may write in")
+    return limit
+
+
 def write_limit_error(error, path, need_bytes):
     """The one-line OSError for a write of path (a file or folder) that failed on a write limit (write_limit, need_bytes
     about what it writes), else None: train.py's error_line says what was hit and what to do."""
@@ -1047,7 +1056,11 @@ def check_export_parent(out, make=False):
         raise ValueError(f"export: {out} would go in {parent}, but {existing} is {what}, not a folder: choose "
                          f"another path")
     if make:
-        os.makedirs(parent, exist_ok=True)
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as e:  # no permission, a read-only file system, no space
+            raise ValueError(f"export: cannot make the folder {parent} ({e.strerror}): choose another "
+                             f"path") from None
 
 
 def check_export_target(out_file):
@@ -1055,8 +1068,9 @@ def check_export_target(out_file):
     absent or an earlier export (read_export on the meta device: its weights are not read). A data folder's or a
     checkpoint's meta.json, a device, a folder or a link there is someone else's, and the rename that puts an
     export in place would destroy it."""
-    if not out_file:
-        raise ValueError("export: OUT is empty: name the .pt file to write, e.g. model.pt")
+    if not out_file or out_file.endswith(os.sep):
+        raise ValueError(f"export: OUT {'is empty' if not out_file else 'ends in ' + repr(os.sep)}: name the .pt file to "
+                         f"write, e.g. {out_file}model.pt")
     check_export_parent(out_file)
     try:
         mode = os.lstat(out_file).st_mode
@@ -1086,16 +1100,16 @@ def export(ckpt_dir, out_file):
     payload = {"model": net.state_dict(), **{k: info[k] for k in ("model_config", "config", "step", "data_meta",
                                                                  "code_version") if k in info}}
     need = sum(t.nbytes for t in payload["model"].values())
+    check_export_parent(out_file, make=True)
     try:
-        check_export_parent(out_file, make=True)
         with atomic_open(out_file) as f:
             torch.save(payload, f)
             check_export_target(out_file)  # again: something may have appeared there while the model was read
     except (OSError, RuntimeError) as e:  # torch.save reports a failed write as "unexpected pos", the OSError before
-        limit = write_limit_error(e, out_file, need)
-        if limit is None:
+        error = export_write_error(e, out_file, need)
+        if error is None:
             raise
-        raise limit from None
+        raise error from None
     print(f"exported {ckpt_dir} (step {info['step']}) -> {out_file}")
 
 

@@ -78,6 +78,10 @@ def path_kind(path):
         return file_kind(os.stat(path).st_mode)
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # links that lead to each other
+            return "a symlink loop"
+        raise
 
 
 def open_regular(path, flags=os.O_RDONLY, follow=True):

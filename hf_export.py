@@ -24,7 +24,7 @@ import shutil
 import sys
 import tempfile
 
-from checkpoint import check_export_parent, load_model, sigint_held, write_limit_error
+from checkpoint import check_export_parent, export_write_error, load_model, sigint_held
 from data import get_tokenizer
 from fileio import file_kind
 
@@ -322,10 +322,10 @@ def export_hf(ckpt, out_dir, tokenizer_dir=None):
     except ValueError:  # a refusal (check_replaceable), not a failed write
         raise
     except Exception as e:  # safetensors and tokenizers report a failed write in errors of their own
-        limit = write_limit_error(e, out_dir, sum(v.nbytes for v in state.values()))
-        if limit is None:
+        error = export_write_error(e, out_dir, sum(v.nbytes for v in state.values()))
+        if error is None:
             raise
-        raise limit from None
+        raise error from None
     why = "" if arch == "LlamaForCausalLM" else f" with {MODELING_FILE} (trust_remote_code=True): " + \
         "; ".join(llama_obstacles(cfg))
     print(f"exported {info['path']} (step {info.get('step')}) -> {out_dir} as {arch}{why}"

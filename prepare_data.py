@@ -51,7 +51,7 @@ from anchor import ANCHOR_SHIFTS, PAIRS, AnchorTask, anchor_records, anchor_voca
 from configurator import at_least
 from data import FORMAT_VERSION, HEADER, HEADER_BYTES, MAGIC, get_tokenizer, is_int, progress_bar, read_meta
 from fileio import (NotOwnFile, atomic_open, atomic_write_bytes, file_kind, lock_holder, naming, open_nofollow,
-                    parse_json, sha256_of)
+                    parse_json, path_kind, sha256_of)
 from launch import die_with_parent
 
 
@@ -366,6 +366,8 @@ def source_file_stats(source):
     path = os.path.expanduser(source.path[3:] if source.path.startswith("hf:") else source.path)
     if os.path.isdir(path):
         files = folder_files(path)
+        for f in files:  # a dangling link would end the stat below in a bare FileNotFoundError
+            check_plain(source, f)
     elif source.path.startswith("hf:"):
         return []
     else:
@@ -532,7 +534,7 @@ def open_source(source):
         raise ValueError(f"source {source.name}: {repo} has no split {split!r}; datasets finds "
                          f"{[str(s) for s in splits]} (from README.md configs or file names): "
                          f"pass split=NAME in --source")
-    files = [f for f in splits[split] if os.path.isfile(f)]  # local ones: hub files are URLs
+    files = [f for f in splits[split] if os.path.lexists(f)]  # local ones: hub files are URLs
     check_not_empty(source, files)
     field = "text" if builder.name == "text" else source.field
     return builder.as_streaming_dataset(split), field, files
@@ -542,8 +544,19 @@ def open_file(path):
     return COMPRESSED.get(os.path.splitext(path)[1], open)(path, "rb")
 
 
+def check_plain(source, path):
+    kind = path_kind(path)
+    if kind != "a file":
+        raise ValueError(f"source {source.name}: {path} is {kind or 'a link to nothing'}, not a data file: "
+                         f"remove it or move it out of the source")
+
+
 def check_not_empty(source, files):
-    # datasets skips an empty file among others, and fails with a bare StopIteration when all are
+    """Refuse a file that is not a plain file (a FIFO would block the read forever, a dangling link
+    fail in datasets) or is empty: datasets skips an empty file among others, and fails with a bare
+    StopIteration when all are."""
+    for path in files:
+        check_plain(source, path)
     for path in files:
         with open_file(path) as f:
             if not f.read(1):

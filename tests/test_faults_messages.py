@@ -167,3 +167,22 @@ def test_a_fifo_is_named_as_the_tokenizer_folder_and_never_hashed(fifo):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+# ----------------------------------------------------------------------------- prepare_data.py sources
+
+@pytest.mark.parametrize("plant", ["fifo", "dangling link"])
+@pytest.mark.parametrize("spec", ["{src}", "{src}/*.txt", "{src}/b.txt"])
+def test_a_source_file_that_is_no_plain_file_is_one_line_not_a_hang(tmp_path, plant, spec):
+    # A FIFO among a source's files: datasets (and the emptiness check before it) opened it and waited for a
+    # writer forever; a dangling link was "[Errno 2] No such file" with no fix.
+    from test_faults_data import one_line_error
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("some words for a document\n" * 20)
+    b = src / "b.txt"
+    os.mkfifo(b) if plant == "fifo" else os.symlink(tmp_path / "nowhere.txt", b)
+    message = one_line_error(tmp_path / "out", "en=" + spec.format(src=src), tokenizer="bytes")
+    what = "a FIFO" if plant == "fifo" else "a link to nothing"
+    assert message == f"error: source en: {b} is {what}, not a data file: remove it or move it out of the source"
+    assert not (tmp_path / "out" / "meta.json").exists()

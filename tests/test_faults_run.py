@@ -4,6 +4,7 @@ export, a write limit or a file where a folder belongs (or the reverse) is one l
 run is the interrupted line, a resealed meta.json with values no run wrote is damage, a model too big for memory
 is one line, and JSON nested past the decoder's recursion is damage. The references are the files' bytes before
 and after, and the messages written out by hand."""
+import errno
 import hashlib
 import json
 import os
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 import checkpoint
+import fileio
 from conftest import launch_env
 from test_faults_checkpoint import NEWEST, PREVIOUS, write_meta
 from test_run_folder import ARGS, copy_run, limit_file_size, one_line, run6  # noqa: F401  (run6: the reference run)
@@ -363,3 +365,26 @@ def test_a_deeply_nested_metrics_line_is_one_line_and_changes_nothing(tmp_path):
     assert str(e.value) == (f"{path} line 2 is not a metrics row ({'[' * 60!r}: a row is a JSON object with an "
                             f"integer step): repair or delete that line and rerun (nothing was changed)")
     assert hashlib.sha256(path.read_bytes()).digest() == hashlib.sha256(data).digest()
+
+
+def test_export_write_failures_are_one_line_naming_the_folder(run6, tmp_path, monkeypatch):
+    # A folder it may not make or write in (as root, hand-made faults): "[Errno 2]" from the write-limit probe
+    # of the folder never made, or "[Errno 1]" naming the temporary file, with no fix.
+    ckpt = os.path.join(run6, NEWEST)
+    out = str(tmp_path / "trail") + os.sep
+    with pytest.raises(ValueError) as e:
+        checkpoint.export(ckpt, out)
+    assert str(e.value) == f"export: OUT ends in '/': name the .pt file to write, e.g. {out}model.pt"
+    monkeypatch.setattr(checkpoint.os, "makedirs", lambda *a, **k: (_ for _ in ()).throw(
+        PermissionError(errno.EACCES, "Permission denied")))
+    with pytest.raises(ValueError) as e:
+        checkpoint.export(ckpt, str(tmp_path / "new" / "m.pt"))
+    assert str(e.value) == f"export: cannot make the folder {tmp_path / 'new'} (Permission denied): choose another path"
+    monkeypatch.undo()
+    monkeypatch.setattr(fileio.tempfile, "mkstemp", lambda *a, **k: (_ for _ in ()).throw(
+        PermissionError(errno.EPERM, "Operation not permitted", "x.tmp")))
+    with pytest.raises(ValueError) as e:
+        checkpoint.export(ckpt, str(tmp_path / "m.pt"))
+    assert str(e.value) == f"export: cannot write {tmp_path / 'm.pt'} (Operation not permitted): choose a folder you " \
+                           "may write in"
+    assert os.listdir(tmp_path) == []
