@@ -17,13 +17,20 @@ now the model uses. Variants are interleaved so that drift (clock, thermal, a ne
 spreads over all of them instead of biasing the ones timed last.
 """
 
+import interrupt
+
+if __name__ == "__main__":  # first: the imports below take seconds
+    interrupt.while_starting("bench.py: interrupted while starting, before anything was measured")
+
 import argparse
 import fnmatch
 import json
 import math
 import os
+import signal
 import statistics
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -36,6 +43,7 @@ from torch import nn
 from init import gamma_init_
 from model import GPT, MLP, SIZES, Attention, GPTConfig, chunked_cross_entropy, compile_model_, init_model_
 from fileio import atomic_write_bytes
+from launch import check_outputs
 from report import cpu_name
 import train
 
@@ -659,8 +667,8 @@ def main(argv=None):
     here = suite.device == "cpu" or torch.cuda.is_available()
     if not here and not args.dry_run:
         raise ValueError(f"--suite {args.suite} needs a CUDA GPU: run it there, or add --dry-run for its plan")
-    if args.json_out:  # before the run, not after it: a bad folder should not cost the measurement
-        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+    if args.json_out:  # before the run, not after it: a bad path should not cost the measurement
+        check_json_out(args.json_out)
     device = torch.device(suite.device)
     if args.dry_run and not here:
         peak = suite.nominal_peak
@@ -691,11 +699,32 @@ def main(argv=None):
         setup = {"suite": args.suite, "device": name, "cpu": cpu_name(), "torch": torch.__version__,
                  "threads": torch.get_num_threads(), "matmul_peak_flops": peak, "matmul_peak_n": suite.peak_n,
                  "steps": steps, "repeats": repeats, "warmup": warmup}
-        atomic_write_bytes(args.json_out, [json.dumps({**setup, "rows": rows}, indent=1, allow_nan=False).encode()])
+        try:
+            atomic_write_bytes(args.json_out, [json.dumps({**setup, "rows": rows}, indent=1, allow_nan=False).encode()])
+        except OSError as e:  # it changed since check_json_out
+            raise ValueError(f"--json-out {args.json_out}: not written ({e.strerror}); the rows are printed "
+                             f"above") from None
+
+
+def check_json_out(path):
+    """Refuse, before anything is measured, a --json-out that is not a file (a folder, a FIFO) or lies under a
+    file, and a folder it cannot be made or written in: met only when written, it would cost the run."""
+    check_outputs([(path, "file")], "choose another --json-out")
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        os.unlink(tempfile.mkstemp(dir=folder, prefix=".bench.", suffix=".tmp")[1])  # the write's own first step
+    except OSError as e:
+        raise ValueError(f"--json-out {path}: cannot write in {folder} ({e.strerror}): choose another "
+                         f"--json-out") from None
 
 
 if __name__ == "__main__":
+    interrupt.started()  # from here Ctrl-C is KeyboardInterrupt
     try:
         main()
     except ValueError as e:
         sys.exit(f"bench.py: {e}")
+    except KeyboardInterrupt:
+        sys.stderr.write("bench.py: interrupted; nothing was written, run the same command again\n")
+        raise SystemExit(128 + signal.SIGINT) from None

@@ -147,7 +147,11 @@ def check_outputs(outputs, fix):
         for at, want in [(folder, "folder") for folder in folders_above(path)] + [(path, kind)]:
             try:
                 mode = os.stat(at).st_mode
-            except FileNotFoundError:  # made when written, with what lies below it
-                break
+            except FileNotFoundError:
+                if want == "folder" and os.path.lexists(at):  # a link to nothing: making the folder fails
+                    raise ValueError(f"{at} is a link to nothing where a folder is made: {fix}") from None
+                break  # made when written, with what lies below it (a file's rename replaces a link)
+            except OSError as e:  # a symlink loop
+                raise ValueError(f"{at}: {e.strerror}, where a {want} is written: {fix}") from None
             if not (stat.S_ISDIR(mode) if want == "folder" else stat.S_ISREG(mode)):
                 raise ValueError(f"{at} is {file_kind(mode)} where a {want} is written: {fix}")

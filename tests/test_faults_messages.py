@@ -4,6 +4,7 @@ writes, is named for what it is with the fix, in one line (eval.py's bad-input s
 never reported missing and never opened (a read of a FIFO waits for a writer forever); an hf export and a pt
 one alike make a missing folder and refuse a file in its way. Nothing is written."""
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -149,8 +150,6 @@ def test_hf_and_pt_exports_make_a_missing_folder_alike_and_refuse_a_file_in_its_
 # ----------------------------------------------------------------------------- tokenizer files
 
 def test_a_fifo_is_named_as_the_tokenizer_folder_and_never_hashed(fifo):
-    import signal
-
     import data
     import fileio
     with pytest.raises(ValueError, match=f"^tokenizer folder {fifo} is a FIFO: pass the folder holding"):
@@ -186,3 +185,53 @@ def test_a_source_file_that_is_no_plain_file_is_one_line_not_a_hang(tmp_path, pl
     what = "a FIFO" if plant == "fifo" else "a link to nothing"
     assert message == f"error: source en: {b} is {what}, not a data file: remove it or move it out of the source"
     assert not (tmp_path / "out" / "meta.json").exists()
+
+
+# ----------------------------------------------------------------------------- bench.py, launchers' outputs
+
+@pytest.mark.parametrize("kind", ["folder", "fifo", "under a file"])
+def test_a_bench_json_out_that_cannot_be_written_is_refused_before_measuring(tmp_path, kind):
+    # It was a traceback after the whole measurement (its results lost), and a FIFO was replaced.
+    import bench
+    path = tmp_path / "b.json"
+    if kind == "folder":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        (tmp_path / "notes.txt").write_text("x")
+        path = tmp_path / "notes.txt" / "b.json"
+    what = {"folder": f"{path} is a folder where a file", "fifo": f"{path} is a FIFO where a file",
+            "under a file": f"{tmp_path / 'notes.txt'} is a file where a folder"}[kind]
+    with pytest.raises(ValueError) as e:
+        bench.main(["--variants", "reference", "--batch", "2", "--seq-len", "16", "--json-out", str(path)])
+    assert str(e.value) == f"{what} is written: choose another --json-out"
+
+
+def test_ctrl_c_during_a_bench_run_is_one_line_and_130(tmp_path):
+    p = subprocess.Popen([sys.executable, "bench.py", "--variants", "reference", "--batch", "2", "--seq-len", "16",
+                          "--steps", "100000", "--repeats", "1", "--warmup", "1"], cwd=ROOT, env=launch_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in p.stdout:  # the plan is printed once the imports are done and the peak is measured
+            if line.startswith("estimated time"):
+                break
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and err.strip().splitlines() == [
+        "bench.py: interrupted; nothing was written, run the same command again"], err
+
+
+def test_launcher_outputs_under_a_link_to_nothing_or_a_loop_are_refused(tmp_path):
+    # makedirs failed on them after the runs (a sweep's --results-dir) or at once with a traceback.
+    import launch
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangle")
+    os.symlink("la", tmp_path / "lb")
+    os.symlink("lb", tmp_path / "la")
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'dangle'} is a link to nothing where a folder is made: fix$"):
+        launch.check_outputs([(tmp_path / "dangle" / "r.json", "file")], "fix")
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'la'}: Too many levels of symbolic links, where a folder is "):
+        launch.check_outputs([(tmp_path / "la" / "r.json", "file")], "fix")
+    launch.check_outputs([(tmp_path / "dangle", "file")], "fix")  # a file's rename replaces the link itself
