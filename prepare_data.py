@@ -1019,23 +1019,30 @@ def claimed(out_dir):
 
 @contextmanager
 def building(out_dir):
-    """A (re)build of out_dir (claimed): the old meta.json and shards go first. On a failure or Ctrl-C
-    the shards written so far go too (a folder without meta.json is never read, and the rerun writes
-    them again); complete token caches stay for the rerun to reuse. Ctrl-C becomes Interrupted,
-    saying that."""
-    try:
+    """A (re)build of out_dir (claimed). It yields replace(), which the build calls once it holds what it
+    writes (the tokens: the long part): only then do the old meta.json and shards go, so a rebuild
+    stopped before leaves the earlier data as it was. On a failure or Ctrl-C after replace() the shards
+    written so far go too (a folder without meta.json is never read, and the rerun writes them again);
+    complete token caches stay for the rerun to reuse. Ctrl-C becomes Interrupted, saying that."""
+    replaced = []
+
+    def replace():
+        replaced.append(True)
         clear_outputs(out_dir)
-        yield
+    try:
+        yield replace
     except BaseException as e:
         cache = os.path.join(out_dir, CACHE_NAME)
         with suppress(OSError):  # the failure may be the disk's: clean what can be, report the first error
-            clear_outputs(out_dir)
+            if replaced:
+                clear_outputs(out_dir)
             os.rmdir(cache)  # only when empty
         if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
             kept = sorted(f[:-len(".done.json")] for f in os.listdir(cache) if f.endswith(".done.json")) \
                 if os.path.isdir(cache) else []
-            line = f"interrupted; {out_dir} is not prepared: the same command " + (
-                f"resumes, reusing the tokens of {', '.join(kept)}" if kept else "starts over")
+            earlier = not replaced and os.path.exists(os.path.join(out_dir, "meta.json"))
+            line = f"interrupted; {out_dir} {'keeps its earlier data' if earlier else 'is not prepared'}: the same " \
+                   f"command " + (f"resumes, reusing the tokens of {', '.join(kept)}" if kept else "starts over")
             raise Interrupted(line) from None
         raise
 
@@ -1067,11 +1074,11 @@ def prepare_text(args):
                                  f"--force rebuilds it from the files there now, --keep-stale keeps the old data")
             print(f"{args.out}: keeping the data prepared before {one_change(changes)} (--keep-stale)")
             return meta
-        with building(args.out):
-            return build_text(args, sources, names, enc, settings, files)
+        with building(args.out) as replace:
+            return build_text(args, sources, names, enc, settings, files, replace)
 
 
-def build_text(args, sources, names, enc, settings, files):
+def build_text(args, sources, names, enc, settings, files, replace):
     start = time.time()
 
     # 1) tokenize each source into a cache (complete caches of an interrupted run are reused)
@@ -1093,7 +1100,8 @@ def build_text(args, sources, names, enc, settings, files):
             timings.append(steady or (0, 0.0))
     tokenize_seconds = time.time() - start
 
-    # 2) mix by token weights, split by documents, write shards
+    # 2) mix by token weights, split by documents, write shards (the earlier data goes now)
+    replace()
     # the last batch read overshoots a source's own max_tokens: the budget, not the read, counts
     available = [min(len(t), s.max_tokens or len(t)) for s, (t, _) in zip(sources, caches)]
     quotas = mixture_quotas(sources, available, args.max_tokens)
@@ -1187,7 +1195,8 @@ def prepare_anchor(task, out_dir, invocation, force=False):
         record_len = task.seq_len + 1
         mask = np.zeros(record_len, np.uint8)
         mask[-1] = 1
-        with building(out_dir):
+        with building(out_dir) as replace:
+            replace()
             splits = {}
             for split, n, split_keys, pairs in [("train", task.n_train, train_keys, seen),
                                                 ("val", task.n_eval, train_keys, seen),

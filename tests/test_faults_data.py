@@ -264,14 +264,37 @@ def test_file_size_limit_is_one_line_and_leaves_no_temporary_file(tmp_path, caps
 # ---------------------------------------------------------------- Ctrl-C
 
 
-def test_ctrl_c_is_one_line_exit_130_and_leaves_no_temporary_file(tmp_path, capsys):
-    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while the second source
-    is being opened: a FIFO with no writer blocks there, after the first source's tokens are cached."""
+# prepare_data.py whose read of source b (a file named b.jsonl) waits, after a's tokens are cached
+SLOW_B = """
+import runpy, sys, time
+import datasets
+load = datasets.load_dataset
+
+def slow(*args, data_files=None, **kwargs):
+    if any(str(f).endswith("b.jsonl") for f in data_files or []):
+        time.sleep(600)
+    return load(*args, data_files=data_files, **kwargs)
+
+datasets.load_dataset = slow
+sys.argv = ["prepare_data.py", *sys.argv[1:]]
+runpy.run_path("prepare_data.py", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("earlier", [False, True])
+def test_ctrl_c_is_one_line_exit_130_and_leaves_no_temporary_file(tmp_path, capsys, earlier):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while the second source is being
+    read, after the first source's tokens are cached. A --force rebuild of a prepared folder stopped there
+    keeps its earlier data: it goes only once the new tokens are all at hand (it went first)."""
     a = write_jsonl(tmp_path / "a.jsonl", random_docs(200, "abcdef ", seed=6))
-    os.mkfifo(tmp_path / "b.jsonl")
+    b = write_jsonl(tmp_path / "b.jsonl", random_docs(200, "uvwxyz ", seed=7))
     out = tmp_path / "out"
-    args = ["text", "--out", str(out), "--workers", "2", "--source", f"a={a}", "--source", f"b={tmp_path / 'b.jsonl'}"]
-    proc = subprocess.Popen([sys.executable, "prepare_data.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
+    args = ["text", "--out", str(out), "--workers", "2", "--source", f"a={a}", "--source", f"b={b}"]
+    if earlier:
+        P.main([*args[:-4], "--source", f"a={a}"])  # a folder prepared from a alone
+        before = snapshot(out)
+        args.append("--force")
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_B, *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=launch_env(), start_new_session=True)
     deadline = time.time() + 60
     while not (out / "tokenize_cache" / "a.done.json").exists() and proc.poll() is None and time.time() < deadline:
@@ -280,13 +303,17 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_no_temporary_file(tmp_path, caps
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err, err
-    assert err.strip().splitlines()[-1] == (f"interrupted; {out} is not prepared: the same command resumes, reusing "
+    state = "keeps its earlier data" if earlier else "is not prepared"
+    assert err.strip().splitlines()[-1] == (f"interrupted; {out} {state}: the same command resumes, reusing "
                                             f"the tokens of a"), err
-    assert not leftovers(out) and sorted(os.listdir(out)) == ["tokenize_cache"]
-    os.remove(tmp_path / "b.jsonl")  # the rerun resumes from a's tokens
-    write_jsonl(tmp_path / "b.jsonl", random_docs(200, "uvwxyz ", seed=7))
-    P.main(args)
+    assert not leftovers(out)
+    if earlier:
+        assert {k: v for k, v in snapshot(out).items() if not k.startswith("tokenize_cache")} == before
+    else:
+        assert sorted(os.listdir(out)) == ["tokenize_cache"]
+    P.main(args)  # the rerun resumes from a's tokens
     assert "a: reusing tokens from an interrupted run" in capsys.readouterr().err
+    assert D.load_meta(str(out))["sources"] == ["a", "b"]
 
 
 # ---------------------------------------------------------------- size flags
