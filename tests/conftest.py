@@ -82,6 +82,23 @@ def launch_env(env=None):
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
 
 
+def ctrl_c_after(argv, marker, stream="stdout", timeout=120):
+    """Run `python *argv` in the repository, send it SIGINT once a line of its `stream` starts with
+    marker, and return (its exit status, the stderr it wrote after that)."""
+    import subprocess
+    proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=launch_env())
+    try:
+        for line in getattr(proc, stream):
+            if line.startswith(marker):
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return proc.returncode, err
+
+
 def failure_text(proc):
     """A failed subprocess's output for an assertion message. A torchrun worker's own last words
     (a C++ abort's "terminate called ... what(): ...", the fault handler's "Fatal Python error",

@@ -4,14 +4,13 @@ argparse's and eval.py's error status; 130 for Ctrl-C) and leaves no file behind
 import ctypes
 import os
 import re
-import signal
 import subprocess
 import sys
 
 import pytest
 
 import eval as ev
-from conftest import launch_env, tiny_model
+from conftest import ctrl_c_after, launch_env, tiny_model
 from test_eval import export, greedy_by_hand
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,18 +37,9 @@ def test_ctrl_c_is_one_line_exit_130_and_writes_nothing(tmp_path):
     out.mkdir()
     argv = ["residual", "--init", "--widths", "64", "256", "1024", "2048", "--batch-size", "16",
             "--json-out", str(out / "r.json")]
-    proc = subprocess.Popen([sys.executable, "eval.py", *argv], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=launch_env())
-    try:
-        for line in proc.stderr:
-            if line.startswith("residual@init"):
-                break
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
+    code, err = ctrl_c_after(["eval.py", *argv], "residual@init", stream="stderr")
     lines = err.strip().splitlines()
-    assert proc.returncode == 130, err
+    assert code == 130, err
     assert lines[-1] == ("interrupted: eval.py residual stopped before it finished; nothing is half-written, "
                          "run the same command again for its results"), err
     assert all(line.startswith("residual@init") for line in lines[:-1]), err  # progress lines only

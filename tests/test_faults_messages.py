@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import downstream as ds
-from conftest import launch_env, tiny_model
+from conftest import ctrl_c_after, launch_env, tiny_model
 from test_eval import export
 from test_faults_eval import ROOT, error_line
 
@@ -208,19 +208,11 @@ def test_a_bench_json_out_that_cannot_be_written_is_refused_before_measuring(tmp
     assert str(e.value) == f"{what} is written: choose another --json-out"
 
 
-def test_ctrl_c_during_a_bench_run_is_one_line_and_130(tmp_path):
-    p = subprocess.Popen([sys.executable, "bench.py", "--variants", "reference", "--batch", "2", "--seq-len", "16",
-                          "--steps", "100000", "--repeats", "1", "--warmup", "1"], cwd=ROOT, env=launch_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        for line in p.stdout:  # the plan is printed once the imports are done and the peak is measured
-            if line.startswith("estimated time"):
-                break
-        p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=60)
-    finally:
-        p.kill()
-    assert p.returncode == 130 and err.strip().splitlines() == [
+def test_ctrl_c_during_a_bench_run_is_one_line_and_130():
+    # the plan is printed once the imports are done and the peak is measured
+    code, err = ctrl_c_after(["bench.py", "--variants", "reference", "--batch", "2", "--seq-len", "16", "--steps",
+                              "100000", "--repeats", "1", "--warmup", "1"], "estimated time", timeout=60)
+    assert code == 130 and err.strip().splitlines() == [
         "bench.py: interrupted; nothing was written, run the same command again"], err
 
 
