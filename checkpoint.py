@@ -1069,8 +1069,8 @@ def check_export_target(out_file):
     checkpoint's meta.json, a device, a folder or a link there is someone else's, and the rename that puts an
     export in place would destroy it."""
     if not out_file or out_file.endswith(os.sep):
-        raise ValueError(f"export: OUT {'is empty' if not out_file else 'ends in ' + repr(os.sep)}: name the .pt file to "
-                         f"write, e.g. {out_file}model.pt")
+        what = "is empty" if not out_file else f"ends in {os.sep!r}"
+        raise ValueError(f"export: OUT {what}: name the .pt file to write, e.g. {out_file}model.pt")
     check_export_parent(out_file)
     try:
         mode = os.lstat(out_file).st_mode
