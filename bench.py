@@ -36,14 +36,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from init import gamma_init_
 from model import GPT, MLP, SIZES, Attention, GPTConfig, chunked_cross_entropy, compile_model_, init_model_
-from fileio import atomic_write_bytes
-from launch import check_outputs
+from fileio import atomic_write_bytes, check_outputs
 from report import cpu_name
 import train
 
@@ -612,9 +610,7 @@ def one_rank(device, needed):
     if not needed:
         yield
         return
-    kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} if device.type == "cuda" else {}
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            **kwargs)
+    train.init_one_rank(torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device)
     try:
         yield
     finally:

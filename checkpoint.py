@@ -51,8 +51,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from model import GPT, GPTConfig
-from fileio import (WRITE_LIMITS, NotOwnFile, atomic_open, atomic_write_bytes, file_kind, lock_holder, naming,
-                    open_nofollow, open_regular, parse_json, path_kind, read_json, sha256_file, sha256_of, write_json)
+from fileio import (WRITE_LIMITS, NotOwnFile, atomic_open, atomic_write_bytes, check_outputs, file_kind, lock_holder,
+                    naming, open_nofollow, open_regular, parse_json, path_kind, read_json, sha256_file, sha256_of,
+                    write_json)
 
 # ----------------------------------------------------------------------------- reading without running code
 # DCP unpickles .metadata with plain pickle.load and torch.loads its byte entries (the optimizer's
@@ -1044,17 +1045,14 @@ def read_export(path, device="cpu", follow=True):
 
 
 def check_export_parent(out, make=False):
-    """Raise unless out's folder exists or can be made: the nearest path above it that exists must be a folder.
-    make=True makes the missing folders (as transformers' save_pretrained does), right before the export is
-    written, so that a refused export leaves no new folders behind."""
+    """Raise unless out's folder exists or can be made (fileio.check_outputs: no file, link to nothing or loop
+    on the way). make=True makes the missing folders (as transformers' save_pretrained does), right before the
+    export is written, so that a refused export leaves no new folders behind."""
     parent = os.path.dirname(os.path.abspath(out))
-    existing = parent
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):  # symlinks followed: a linked folder is a folder
-        what = file_kind(os.lstat(existing).st_mode)
-        raise ValueError(f"export: {out} would go in {parent}, but {existing} is {what}, not a folder: choose "
-                         f"another path")
+    try:
+        check_outputs([(parent, "folder")], "choose another path")
+    except ValueError as e:
+        raise ValueError(f"export: {e}") from None
     if make:
         try:
             os.makedirs(parent, exist_ok=True)

@@ -2,7 +2,8 @@
 Files that readers rely on: written whole or not at all, JSON without NaN, sha256 of a file; files
 of a folder from someone else opened only when they are plain files of its own (open_regular); the
 lock files that keep a run, a data folder or a sweep point to one process (lock_holder); a JSON
-object another tool wrote, its fields checked (read_object).
+object another tool wrote, its fields checked (read_object); output paths checked before a run
+writes them (check_outputs).
 Every tool writes through here (prepare_data.py's shards and meta.json, train.py's checkpoints
 and metrics, eval.py's and sweep.py's results), so it imports nothing of the project.
 """
@@ -220,3 +221,29 @@ def read_object(path, fields, follow=True):
     if wrong:
         raise ValueError(f"{', '.join(wrong)} missing or of the wrong type")
     return obj
+
+
+def folders_above(path):
+    """The folders path lies in, outermost first: /a/b/c -> /, /a, /a/b."""
+    up = os.path.dirname(path)
+    return [] if up == path else [*folders_above(up), up]
+
+
+def check_outputs(outputs, fix):
+    """Refuse, before anything runs, an output path (outputs: [(path, "file" or "folder")]) that holds the
+    wrong kind of thing: a file where a folder goes (the path or a folder above it), a folder, FIFO or device
+    where a file is written. Met only when written, it would end the run after its work (a launcher's trainings, an
+    export's model read), its results unsaved. One line naming the path and `fix`."""
+    for path, kind in outputs:
+        path = os.path.abspath(path)
+        for at, want in [(folder, "folder") for folder in folders_above(path)] + [(path, kind)]:
+            try:
+                mode = os.stat(at).st_mode
+            except FileNotFoundError:
+                if want == "folder" and os.path.lexists(at):  # a link to nothing: making the folder fails
+                    raise ValueError(f"{at} is a link to nothing where a folder is made: {fix}") from None
+                break  # made when written, with what lies below it (a file's rename replaces a link)
+            except OSError as e:  # a symlink loop
+                raise ValueError(f"{at}: {e.strerror}, where a {want} is written: {fix}") from None
+            if not (stat.S_ISDIR(mode) if want == "folder" else stat.S_ISREG(mode)):
+                raise ValueError(f"{at} is {file_kind(mode)} where a {want} is written: {fix}")

@@ -2,14 +2,12 @@
 The child processes of the launchers (sweep.py's points, quickstart.py's steps): each starts in its
 own session, and all of them stop when the launcher is stopped (SIGTERM, Ctrl-C, a closed
 terminal) or, on Linux, killed, so no training outlives its launcher to hold a run folder
-(die_with_parent also ties prepare_data.py's pool workers to it). And the check of a launcher's
-outputs before anything runs (check_outputs).
+(die_with_parent also ties prepare_data.py's pool workers to it).
 """
 
 import ctypes
 import os
 import signal
-import stat
 import subprocess
 import sys
 import threading
@@ -17,7 +15,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
-from fileio import file_kind
 
 # The running child processes (a sweep's points, the quickstart's steps), for stop_children. Each
 # runs in its own session (process group): a signal sent to the launcher's group (Ctrl-C in a
@@ -129,29 +126,3 @@ def child_pool(jobs):
         except BaseException:
             stop_children()
             raise
-
-
-def folders_above(path):
-    """The folders path lies in, outermost first: /a/b/c -> /, /a, /a/b."""
-    up = os.path.dirname(path)
-    return [] if up == path else [*folders_above(up), up]
-
-
-def check_outputs(outputs, fix):
-    """Refuse, before anything runs, an output path (outputs: [(path, "file" or "folder")]) that holds the
-    wrong kind of thing: a file where a folder goes (the path or a folder above it), a folder, FIFO or device
-    where a file is written. Met only when written, it would end the run after its trainings, their results
-    unsaved. One line naming the path and `fix`."""
-    for path, kind in outputs:
-        path = os.path.abspath(path)
-        for at, want in [(folder, "folder") for folder in folders_above(path)] + [(path, kind)]:
-            try:
-                mode = os.stat(at).st_mode
-            except FileNotFoundError:
-                if want == "folder" and os.path.lexists(at):  # a link to nothing: making the folder fails
-                    raise ValueError(f"{at} is a link to nothing where a folder is made: {fix}") from None
-                break  # made when written, with what lies below it (a file's rename replaces a link)
-            except OSError as e:  # a symlink loop
-                raise ValueError(f"{at}: {e.strerror}, where a {want} is written: {fix}") from None
-            if not (stat.S_ISDIR(mode) if want == "folder" else stat.S_ISREG(mode)):
-                raise ValueError(f"{at} is {file_kind(mode)} where a {want} is written: {fix}")

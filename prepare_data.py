@@ -557,7 +557,6 @@ def check_not_empty(source, files):
     StopIteration when all are."""
     for path in files:
         check_plain(source, path)
-    for path in files:
         with open_file(path) as f:
             if not f.read(1):
                 raise ValueError(f"source {source.name}: {path} is empty (no records); remove it "

@@ -28,8 +28,8 @@ import time
 
 from anchor import AnchorTask
 from checkpoint import RunDirError, metrics_rows
-from fileio import atomic_write_bytes, read_object, write_json
-from launch import check_outputs, child_pool, end_child, start_child, stoppable
+from fileio import atomic_write_bytes, check_outputs, read_object, write_json
+from launch import child_pool, end_child, start_child, stoppable
 from prepare_data import usable_cores
 from report import cpu_name, pyplot, save_figure
 from train import load_config
@@ -180,7 +180,7 @@ def plot(results, curves, path):
 
 
 def outputs(out):
-    """[(path, "file" or "folder")] of everything the quickstart writes in out, for launch.check_outputs."""
+    """[(path, "file" or "folder")] of everything the quickstart writes in out, for fileio.check_outputs."""
     folders = [out, os.path.join(out, "data"), *[os.path.join(out, name) for name, _, _ in RUNS]]
     files = ["data.log", "quickstart.json", "quickstart.png",
              *[f"{name}{end}" for name, _, _ in RUNS for end in (".log", "_eval.log", "_anchor.json")]]

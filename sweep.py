@@ -38,8 +38,8 @@ from concurrent.futures import as_completed
 
 from checkpoint import RunDirError, code_version, metrics_rows, newest_in_run, open_in_run_dir
 from configurator import at_least, parse_value  # a grid value is read as train.py reads --key=value
-from fileio import lock_holder, read_object, write_json
-from launch import STOPPING, check_outputs, child_pool, end_child, start_child, stoppable
+from fileio import check_outputs, lock_holder, read_object, write_json
+from launch import STOPPING, child_pool, end_child, start_child, stoppable
 from report import cpu_name
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -260,12 +260,19 @@ def setup_distributed():
         # Bound before the process group exists, and named to it, so NCCL never guesses the
         # device (a guessed device 0 on every rank hangs or crowds one GPU).
         torch.cuda.set_device(device)
-    kwargs = {"device_id": device} if cuda else {}
     if "RANK" in os.environ:
-        dist.init_process_group("nccl" if cuda else "gloo", **kwargs)
+        dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": device} if cuda else {}))
     else:
-        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        init_one_rank(device)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def init_one_rank(device):
+    """A 1-rank process group on device (an indexed CUDA device, or the CPU): plain python, and bench.py's
+    train-step variants, take the code path of torchrun's ranks."""
+    cuda = device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            **({"device_id": device} if cuda else {}))
 
 
 def grad_accum(cfg, world):

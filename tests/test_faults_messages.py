@@ -142,8 +142,7 @@ def test_hf_and_pt_exports_make_a_missing_folder_alike_and_refuse_a_file_in_its_
     for fmt, name in (("hf", "hf"), ("pt", "m.pt")):
         out = tmp_path / "notes.txt" / "sub" / name
         assert export_line(ckpt, out, "--format", fmt) == (
-            f"export: {out} would go in {out.parent}, but {tmp_path / 'notes.txt'} is a file, not a folder: "
-            "choose another path")
+            f"export: {tmp_path / 'notes.txt'} is a file where a folder is written: choose another path")
     assert sorted(os.listdir(tmp_path)) == ["hf", "notes.txt"]
     assert (tmp_path / "notes.txt").read_text() == "the user's own file\n"
 
@@ -218,12 +217,12 @@ def test_ctrl_c_during_a_bench_run_is_one_line_and_130():
 
 def test_launcher_outputs_under_a_link_to_nothing_or_a_loop_are_refused(tmp_path):
     # makedirs failed on them after the runs (a sweep's --results-dir) or at once with a traceback.
-    import launch
+    import fileio
     os.symlink(tmp_path / "nowhere", tmp_path / "dangle")
     os.symlink("la", tmp_path / "lb")
     os.symlink("lb", tmp_path / "la")
     with pytest.raises(ValueError, match=f"^{tmp_path / 'dangle'} is a link to nothing where a folder is made: fix$"):
-        launch.check_outputs([(tmp_path / "dangle" / "r.json", "file")], "fix")
+        fileio.check_outputs([(tmp_path / "dangle" / "r.json", "file")], "fix")
     with pytest.raises(ValueError, match=f"^{tmp_path / 'la'}: Too many levels of symbolic links, where a folder is "):
-        launch.check_outputs([(tmp_path / "la" / "r.json", "file")], "fix")
-    launch.check_outputs([(tmp_path / "dangle", "file")], "fix")  # a file's rename replaces the link itself
+        fileio.check_outputs([(tmp_path / "la" / "r.json", "file")], "fix")
+    fileio.check_outputs([(tmp_path / "dangle", "file")], "fix")  # a file's rename replaces the link itself

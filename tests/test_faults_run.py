@@ -105,8 +105,7 @@ def test_reexport_replaces_an_earlier_export(run6, tmp_path):
 
 @pytest.mark.parametrize("out, message", [
     ("", "export: OUT is empty: name the .pt file to write, e.g. model.pt"),
-    ("notes.txt/sub/model.pt", "export: notes.txt/sub/model.pt would go in {tmp}/notes.txt/sub, but "
-                               "{tmp}/notes.txt is a file, not a folder: choose another path"),
+    ("notes.txt/sub/model.pt", "export: {tmp}/notes.txt is a file where a folder is written: choose another path"),
 ])
 def test_export_to_nothing_or_into_a_file_is_one_line(run6, tmp_path, monkeypatch, out, message):
     monkeypatch.chdir(tmp_path)
