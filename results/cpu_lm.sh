@@ -83,14 +83,13 @@ print(",".join(out))
 PY
 }
 
-wide_lrs() {  # wide_lrs ARM D LR,LR,...: the lrs to run for ARM at width D: the starting grid, then
-    # while the seed-0 best sits on the edge of the lrs that ran, its neighbour on HALF_LRS beyond it
-    python - "$1" "$2" "$3" "$HALF_LRS" <<'PY'
+wide_lrs() {  # wide_lrs RESULTS ARM D LR,LR,...: the lrs to run for ARM at width D: the starting grid, then
+    # while the seed-0 best sits on the edge of the lrs that ran (rows of RESULTS), its neighbour on HALF_LRS beyond it
+    python - "$1" "$2" "$3" "$4" "$HALF_LRS" <<'PY'
 import json, os, sys
-arm, d = sys.argv[1], int(sys.argv[2])
-start, grid = ([float(v) for v in a.split(",")] for a in sys.argv[3:5])
-path = f"results/scale_wide_lr_{arm}.json"
-rows = [r for r in json.load(open(path))["rows"] if r["config"]["model"]["d_model"] == d] if os.path.exists(path) else []
+path, arm, d = sys.argv[1], sys.argv[2], int(sys.argv[3])
+start, grid = ([float(v) for v in a.split(",")] for a in sys.argv[4:6])
+rows = [r for r in json.load(open(path))["rows"] if r["arm"] == arm and r["config"]["model"]["d_model"] == d] if os.path.exists(path) else []
 ran = {grid.index(r["config"]["lr"]): r["eval"]["loss"]["summary"]["loss"] for r in rows}
 lrs = sorted({grid.index(lr) for lr in start} | set(ran))
 if set(ran) >= set(lrs):  # every lr asked for so far has run: extend past an edge best
@@ -101,6 +100,17 @@ if set(ran) >= set(lrs):  # every lr asked for so far has run: extend past an ed
         lrs.append(best + 1)
 print(",".join(repr(grid[i]) for i in lrs))
 PY
+}
+
+tune_lr() {  # tune_lr NAME ARM=SETTINGS D LR,LR,LR: the arm's lr on seed 0 into results/NAME.json: the three
+    # starting lrs, then a half step past the best while it sits on an edge (wide_lrs); D is its d_model
+    local axis= next
+    while :; do
+        next=$(wide_lrs results/$1.json "${2%%=*}" $3 $4) || return 1
+        [ "$axis" = "$next" ] && return 0
+        axis=$next
+        $SWEEP --name $1 --arm "$2" --seeds 0 --grid lr=$axis || return 1
+    done
 }
 
 scale_points() {  # scale_points ARM SEED|mean: N=loss per width, N the non-embedding parameters
@@ -118,7 +128,7 @@ print(" ".join(f"{n}={statistics.mean(v)!r}" for n, v in sorted(by_n.items())))
 PY
 }
 
-ALL="data lr settings layernorm gamma analyses budget wd scale moe lr_width lr_fine gamma_fine settings_fine confirm report confirm_report eps_regime eps_regime_report eps_claim1 scale_wide confirm_wide scale_wide_report"
+ALL="data lr settings layernorm gamma analyses budget wd scale moe lr_width lr_fine gamma_fine settings_fine confirm report confirm_report eps_regime eps_regime_report eps_claim1 scale_wide confirm_wide scale_wide_report factorial depth"
 # The confirmation runs of results/confirm.md: seeds never run in the exploration, every setting
 # fixed there (the lrs are typed, not re-chosen by best_lr), in the order the claims are listed.
 CONFIRM_SEEDS=100,101,102,103,104,105
@@ -264,7 +274,7 @@ scale_wide)
             while :; do
                 next=$(for sz in "${sizes[@]}"; do
                     IFS=: read -r d steps warm <<<"$sz"
-                    for lr in $(wide_lrs $arm $d $start | tr , ' '); do echo $d:$steps:$warm:$lr; done
+                    for lr in $(wide_lrs results/scale_wide_lr_$arm.json $arm $d $start | tr , ' '); do echo $d:$steps:$warm:$lr; done
                 done | paste -sd,)
                 [ "$axis" = "$next" ] && break
                 axis=$next
@@ -299,6 +309,36 @@ scale_wide_report)
     # The gain per width with its interval, the seed-paired slope, the effective-size fit over every
     # width, width 128's confirmation: results/report_scale_wide.md and results/scale_wide.png.
     python results/scale_wide.py
+    ;;
+factorial)
+    # 8d. Which change carries width 128's gain (issue 45). The recipe (A: γ=1, ε=1e-12, gate) and the
+    # baseline (B: γ=0.5, ε=1e-5, no gate) of scale_wide, taken apart by four arms, each one setting away
+    # from A at confirm_wide's settings: C γ=0.5 and D γ=0.75 (the fixes without small init; D is width
+    # 64's optimum), F no gate, G ε = 41.94/128² (the paper's standard ε emulated: r = ε·d² ≈ 42 as at
+    # d=2048). Each arm's lr on seed 0 starts at A's three half steps (3e-3, 5.5e-3, 1e-2, A's best in the
+    # middle: A is every arm's nearest finished one), widened while its best sits on an edge; then seeds 1
+    # and 2 at each best. C and F first: they decide the two contrasts that matter most.
+    arms=()
+    for arm in C_gamma05=,gamma=0.5 F_nogate=,model.attn_gate=none D_gamma075=,gamma=0.75 \
+               G_stdeps=,model.norm_eps=$(awk 'BEGIN { printf "%g", 41.94 / (128 * 128) }'); do
+        arm+=,model.d_model=128,max_steps=1200,warmup_steps=120
+        tune_lr factorial_lr_${arm%%=*} $arm 128 0.003,0.0055,0.01 || continue
+        arms+=(--arm "$arm,lr=$(best_lr results/factorial_lr_${arm%%=*}.json ${arm%%=*})")
+    done
+    $SWEEP --name factorial --seeds 1,2 "${arms[@]}"
+    ;;
+depth)
+    # 8e. Depth at equal size (issue 45, item 4): the recipe and the baseline with 4 layers at width 96,
+    # 504,768 non-embedding parameters (width 128 at 2 layers: 492,288), 1,232 steps of 8,192 tokens
+    # (20.0 tokens per parameter), warmup a tenth. Each arm's lr on seed 0 starts at its width-96 best's
+    # half steps (both 1e-2: 5.5e-3, 1e-2, 1.7e-2), widened while the best sits on an edge; seeds 1, 2.
+    arms=()
+    for arm in recipe_L4= baseline_L4=config/_baseline.py; do
+        arm+=,model.n_layer=4,model.d_model=96,max_steps=1232,warmup_steps=123
+        tune_lr depth_lr_${arm%%=*} $arm 96 0.0055,0.01,0.017 || continue
+        arms+=(--arm "$arm,lr=$(best_lr results/depth_lr_${arm%%=*}.json ${arm%%=*})")
+    done
+    $SWEEP --name depth --seeds 1,2 "${arms[@]}"
     ;;
 moe)
     # 9. MoE (7): 4 experts of width 96, top-2 (the dense model's active MLP width), both arms' lr on
