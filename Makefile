@@ -39,8 +39,9 @@ test-fast: install pytest
 quickstart: install plots
 	$(PYTHON) quickstart.py
 
-# On one H100/H200, ~8 minutes: the CUDA tests, a short bench, a 50-step flex+bf16+compile run,
-# its HF export compared, peak memory vs the estimate; one table and results/gpu_check.json.
-# Without CUDA it exits 1 in one line; `python gpu_check.py --dry-run` shows the plan anywhere.
+# On one H100/H200, under 9 minutes: bench's pairs and variants, train.py at 1.5B (MFU, peak memory vs
+# the estimate), the CUDA tests; everything in out/gpu_check/. gpu_check.py itself installs nothing: on
+# an image without a package index run `python3 gpu_check.py --out DIR` (README). Without CUDA it exits 1
+# in one line; `python gpu_check.py --dry-run` shows the plan anywhere.
 gpu-check: install test-extras
 	$(PYTHON) gpu_check.py

@@ -11,10 +11,13 @@ Per variant: tokens/s (median over repeats, min-max), ms/step, MFU and the ratio
 selected variant of its group (a plain GPT of the same size, written below as the yardstick) as
 the ratio of medians and as the paired ratio (the median over repeats of the ratio within each
 repeat, which drift between repeats does not move), plus the first step's time apart (it
-includes torch.compile). MFU is against a matmul peak
-measured here in the same run, so on a CPU it says how much of what this CPU's matmuls reach
-now the model uses. Variants are interleaved so that drift (clock, thermal, a neighbour's load)
-spreads over all of them instead of biasing the ones timed last.
+includes torch.compile). MFU is against the GPU's datasheet peak (mfu.py; none on a CPU); beside
+it, the share of the matmul rate measured in the same run, which on a CPU says how much of what
+this CPU's matmuls reach now the model uses. Variants are interleaved so that drift (clock,
+thermal, a neighbour's load) spreads over all of them instead of biasing the ones timed last.
+A variant that fails (to build, compile or step: a missing kernel, out of memory) is a row with
+its error and the others go on; --json-out is rewritten after each group, so a run cut short
+keeps the groups it finished.
 """
 
 import interrupt
@@ -25,13 +28,13 @@ if __name__ == "__main__":  # first: the imports below take seconds
 import argparse
 import fnmatch
 import json
-import math
 import os
 import signal
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -42,6 +45,7 @@ from torch import nn
 from init import gamma_init_
 from model import GPT, MLP, SIZES, Attention, GPTConfig, chunked_cross_entropy, compile_model_, init_model_
 from fileio import atomic_write_bytes, check_outputs
+from mfu import datasheet_peak, matmul_rate, synchronize
 from report import cpu_name
 import train
 
@@ -313,37 +317,39 @@ class Suite:
     steps: int          # timed steps per repeat
     repeats: int
     warmup: int         # untimed steps first; the first one (compile) is reported apart
-    peak_n: int         # n of the n×n×n matmul the peak is measured on ...
-    peak_reps: int      # ... timed over this many matmuls (tens of ms), best of 5
+    rate_n: int         # n of the n×n×n matmul whose rate is measured ...
+    rate_reps: int      # ... timed over this many matmuls (tens of ms), best of 5
     # For --dry-run's estimate only (assumptions, printed with it):
     assumed_mfu: float
     compile_s: float    # per compiled model structure
-    nominal_peak: float  # used when the suite's device is not this machine's (0: measure)
+    nominal_peak: float  # datasheet peak and rate when the suite's device is not this machine's
 
 
 SUITES = {
     # One step per sample on CPU: a step is already seconds long.
-    "cpu": Suite(cpu_variants, "cpu", steps=1, repeats=5, warmup=2, peak_n=1024, peak_reps=3,
+    "cpu": Suite(cpu_variants, "cpu", steps=1, repeats=5, warmup=2, rate_n=1024, rate_reps=3,
                  assumed_mfu=0.6, compile_s=45.0, nominal_peak=0.0),
-    "cuda": Suite(cuda_variants, "cuda", steps=10, repeats=5, warmup=3, peak_n=8192, peak_reps=50,
-                  assumed_mfu=0.4, compile_s=30.0, nominal_peak=989e12),
+    # compile_s: the first steps of the compiled variants took 4.7-13.6 s on an H200 (results/gpu/h200_bench.log).
+    "cuda": Suite(cuda_variants, "cuda", steps=10, repeats=5, warmup=3, rate_n=8192, rate_reps=50,
+                  assumed_mfu=0.4, compile_s=15.0, nominal_peak=989e12),
 }
 
 
 def select(variants, patterns):
-    """Variants matching any comma-separated pattern (fnmatch) on 'group/name' or 'name', in
-    suite order. A pattern matching nothing is an error listing the names."""
+    """Variants matching any comma-separated pattern (fnmatch) on 'group/name' or 'name', in the
+    patterns' order (a pattern's matches in suite order), each once: the first one selected of a
+    group is its yardstick. A pattern matching nothing is an error listing the names."""
     if not patterns:
         return variants
-    chosen = set()
+    chosen = {}
     for pattern in patterns.split(","):
         hits = [v for v in variants
                 if fnmatch.fnmatchcase(v.full_name, pattern) or fnmatch.fnmatchcase(v.name, pattern)]
         if not hits:
             raise ValueError(f"--variants: {pattern!r} matches no variant; choose from "
                              f"{', '.join(v.full_name for v in variants)}")
-        chosen.update(v.full_name for v in hits)
-    return [v for v in variants if v.full_name in chosen]
+        chosen.update((v.full_name, v) for v in hits if v.full_name not in chosen)
+    return list(chosen.values())
 
 
 def groups_of(variants):
@@ -361,28 +367,6 @@ def schedule(variants, repeats):
 
 
 # ----------------------------------------------------------------------------- measuring
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def matmul_peak(device, dtype, n, reps, trials=5):
-    """FLOP/s of an n×n×n matmul, best of `trials` timings of `reps` matmuls: large enough to
-    reach the BLAS's best rate, and the best of several so a scheduler hiccup doesn't count."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b  # warm-up: thread pool, cuBLAS handle and heuristics
-    best = math.inf
-    for _ in range(trials):
-        synchronize(device)
-        start = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        synchronize(device)
-        best = min(best, (time.perf_counter() - start) / reps)
-    return 2 * n**3 / best
-
 
 def make_model(v):
     """The variant's model, uninitialised (call under torch.device("meta") to only count it)."""
@@ -467,30 +451,40 @@ def top_ops(runner, steps, n):
     return [{"name": e.key, "ms": getattr(e, key) / 1e3 / steps, "calls": e.count / steps} for e in events]
 
 
-def measure(variants, device, steps, repeats, warmup, peak, profile=0):
-    """One row per variant (see the module docstring); groups one after another. profile=N: each row
+def measure(variants, device, steps, repeats, warmup, peak, rate, profile=0):
+    """Each group's rows (see the module docstring) as it finishes, groups one after another. peak: the
+    datasheet FLOP/s MFU is against (0: none), rate: the matmul rate measured now. profile=N: each row
     also lists its N costliest operations (top_ops), profiled after the timed steps."""
-    rows = []
     for group, members in groups_of(variants):
-        runners, first_step = {}, {}
+        runners, first_step, failed = {}, {}, {}
         for v in members:
-            runners[v] = Runner(v, device)
-            first_step[v] = runners[v].timed(1)
-            for _ in range(warmup - 1):
-                runners[v].step()
+            try:
+                runners[v] = Runner(v, device)
+                first_step[v] = runners[v].timed(1)
+                for _ in range(warmup - 1):
+                    runners[v].step()
+            except Exception as e:  # noqa: BLE001 (the variant's row says what failed; the others go on)
+                failed[v] = failure(v, e, runners, device)
+                continue
             print(f"  {v.full_name}: first step {first_step[v]:.2f} s")
-        samples = {v: [] for v in members}
-        for r, v in schedule(members, repeats):
-            samples[v].append(runners[v].timed(steps))
+        samples = {v: [] for v in runners}
+        for r, v in schedule(list(runners), repeats):
+            if v in runners:
+                try:
+                    samples[v].append(runners[v].timed(steps))
+                except Exception as e:  # noqa: BLE001
+                    failed[v] = failure(v, e, runners, device)
         tokens = group.batch * group.seq_len
-        base = None
+        rows, yardstick = [], next((v for v in members if v in runners), None)
         for v in members:
+            if v in failed:
+                rows.append({"variant": v.full_name, "about": v.about, "error": failed[v]})
+                continue
             tps = sorted(tokens / s for s in samples[v])
             median = statistics.median(tps)
-            base = base or median
             # Each repeat times the group's variants one right after another: the ratio within a
             # repeat cancels the machine's drift between repeats, which the ratio of medians keeps.
-            paired = statistics.median(s0 / s for s0, s in zip(samples[members[0]], samples[v], strict=True))
+            paired = statistics.median(s0 / s for s0, s in zip(samples[yardstick], samples[v], strict=True))
             run = runners[v]
             rows.append({
                 "variant": v.full_name, "about": v.about, "params": run.params["total"],
@@ -499,24 +493,45 @@ def measure(variants, device, steps, repeats, warmup, peak, profile=0):
                 "fsdp": v.fsdp,
                 "first_step_s": first_step[v], "tokens_per_s": median, "tokens_per_s_min": tps[0],
                 "tokens_per_s_max": tps[-1], "ms_per_step": 1e3 * tokens / median,
-                "mfu": run.flops_per_token * median / peak, "ratio": median / base, "paired_ratio": paired,
+                "mfu": run.flops_per_token * median / peak if peak else None,
+                "of_matmul_rate": run.flops_per_token * median / rate, "ratio_to": yardstick.full_name,
+                "ratio": median / statistics.median(tokens / s for s in samples[yardstick]), "paired_ratio": paired,
                 "samples_tokens_per_s": [tokens / s for s in samples[v]],
                 **({"profile": top_ops(run, steps, profile)} if profile else {}),
             })
         del runners
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return rows
+        free(device)
+        yield rows
+
+
+def failure(v, error, runners, device):
+    """The one line a failed variant's row keeps (the traceback goes to stderr, for the log); its
+    model is dropped so that the next variants have the memory."""
+    traceback.print_exc()
+    line = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
+    print(f"  {v.full_name}: FAILED, {line}", flush=True)
+    runners.pop(v, None)
+    free(device)
+    return line
+
+
+def free(device):
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def format_rows(rows):
-    lines = [f"{'variant':<28} {'params':>8} {'tok/s':>9} {'min-max':>17} {'ms/step':>8} {'MFU':>6} "
+    lines = [f"{'variant':<28} {'params':>8} {'tok/s':>9} {'min-max':>17} {'ms/step':>8} {'MFU':>6} {'matmul':>6} "
              f"{'ratio':>6} {'paired':>6} {'1st step s':>10}"]
     for r in rows:
+        if "error" in r:
+            lines.append(f"{r['variant']:<28} FAILED: {r['error']}")
+            continue
         spread = f"{r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f}"
+        mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
         lines.append(f"{r['variant']:<28} {r['params'] / 1e6:>7.1f}M {r['tokens_per_s']:>9,.0f} {spread:>17} "
-                     f"{r['ms_per_step']:>8.1f} {r['mfu']:>6.1%} {r['ratio']:>5.2f}x {r['paired_ratio']:>5.2f}x "
-                     f"{r['first_step_s']:>10.2f}")
+                     f"{r['ms_per_step']:>8.1f} {mfu:>6} {r['of_matmul_rate']:>6.1%} {r['ratio']:>5.2f}x "
+                     f"{r['paired_ratio']:>5.2f}x {r['first_step_s']:>10.2f}")
     return "\n".join(lines)
 
 
@@ -570,7 +585,7 @@ def loss_memory(vocab=100352, batch=8, seq_len=512, d_model=64, chunk_elements=0
 INIT_S_PER_PARAM = 2e-8
 
 
-def plan(variants, suite, steps, repeats, warmup, peak):
+def plan(variants, suite, steps, repeats, warmup, rate):
     """(text, estimated seconds) of a run, without building a model: parameter counts and
     FLOPs from meta-device builds, step time from the FLOPs at the suite's assumed MFU, one
     compilation per compiled model structure (γ changes weights, not the graph) and the init."""
@@ -582,7 +597,7 @@ def plan(variants, suite, steps, repeats, warmup, peak):
             with torch.device("meta"):
                 model = make_model(v)
             fpt = model.flops_per_token(group.seq_len)
-            step_s = fpt * group.batch * group.seq_len / (peak * suite.assumed_mfu)
+            step_s = fpt * group.batch * group.seq_len / (rate * suite.assumed_mfu)
             # Not v.fsdp: FSDP2's wrapping has dynamo trace the blocks again, but to the graphs of the
             # same variant without it, which inductor's cache then serves (the CPU suite, cache
             # emptied: default-compiled's first step 30.1 s, train-step-compiled's after it 1.0 s).
@@ -595,7 +610,7 @@ def plan(variants, suite, steps, repeats, warmup, peak):
             lines.append(f"  {v.full_name:<28} {n / 1e6:>8.1f}M params {fpt / 1e6:>9.1f} MFLOP/token "
                          f"{'compiled' if v.compile else 'eager':>8}  ~{1e3 * step_s:,.0f} ms/step  {v.about}")
     lines.append(f"steps: {warmup} warm-up, then {repeats} repeats x {steps} timed steps per variant, round-robin")
-    lines.append(f"estimated time: {total / 60:.1f} min (peak {peak / 1e12:.3g} TFLOP/s x assumed MFU "
+    lines.append(f"estimated time: {total / 60:.1f} min (matmul rate {rate / 1e12:.3g} TFLOP/s x assumed "
                  f"{suite.assumed_mfu:.0%}, {suite.compile_s:.0f} s per compiled structure, "
                  f"{INIT_S_PER_PARAM * 1e9:.0f} ns per parameter to initialise)")
     return "\n".join(lines), total
@@ -647,7 +662,7 @@ def main(argv=None):
               f"tokens: fp32 logits {mem['fp32_logits'] / 2**30:.2f} GiB")
         for tail in ("full", "chunked"):
             print(f"  {tail:<8} {mem[tail] / 2**30:6.2f} GiB = {mem[tail] / mem['fp32_logits']:.2f}x the fp32 logits")
-        return
+        return 0
     suite = SUITES[args.suite]
     steps, repeats, warmup = (suite.steps if args.steps is None else args.steps,
                               suite.repeats if args.repeats is None else args.repeats,
@@ -667,18 +682,19 @@ def main(argv=None):
         check_json_out(args.json_out)
     device = torch.device(suite.device)
     if args.dry_run and not here:
-        peak = suite.nominal_peak
+        peak, source, rate = suite.nominal_peak, "nominal", suite.nominal_peak
     else:
-        peak = matmul_peak(device, getattr(torch, variants[0].group.dtype), suite.peak_n, suite.peak_reps)
+        peak, source = datasheet_peak(device)
+        rate = matmul_rate(device, getattr(torch, variants[0].group.dtype), suite.rate_n, suite.rate_reps)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" and here else suite.device
-    print(f"device {name}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads; matmul peak "
-          f"{peak / 1e12:.3g} TFLOP/s ({suite.peak_n}^3 {variants[0].group.dtype}, "
+    print(f"device {name}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads; "
+          f"MFU against {f'{peak / 1e12:.3g} TFLOP/s ({source})' if peak else f'nothing ({source})'}; matmul rate "
+          f"{rate / 1e12:.3g} TFLOP/s ({suite.rate_n}^3 {variants[0].group.dtype}, "
           f"{'nominal' if args.dry_run and not here else 'best of 5, measured now'})")
-    text, _ = plan(variants, suite, steps, repeats, warmup, peak)
+    text, _ = plan(variants, suite, steps, repeats, warmup, rate)
     print(text)
     if args.dry_run:
-        return
+        return 0
     # Every compiled variant compiles the same code again (the blocks' and the norm's forward,
     # chunk_loss at up to two chunk heights): allow a few graphs per variant, and keep shapes
     # static (a dynamic recompile would time slower kernels).
@@ -686,20 +702,31 @@ def main(argv=None):
                                     automatic_dynamic_shapes=False), \
             torch._inductor.config.patch({"cpp.enable_kernel_profile": bool(args.profile)}):  # kernels by name
         with one_rank(device, any(v.fsdp for v in variants)):
-            rows = measure(variants, device, steps, repeats, warmup, peak, args.profile)
-    print(format_rows(rows))
-    for r in rows:
-        for op in r.get("profile", []):
-            print(f"  {r['variant']:<28} {op['ms']:>9.1f} ms {op['calls']:>6.0f}x  {op['name'][:100]}")
-    if args.json_out:
-        setup = {"suite": args.suite, "device": name, "cpu": cpu_name(), "torch": torch.__version__,
-                 "threads": torch.get_num_threads(), "matmul_peak_flops": peak, "matmul_peak_n": suite.peak_n,
-                 "steps": steps, "repeats": repeats, "warmup": warmup}
-        try:
-            atomic_write_bytes(args.json_out, [json.dumps({**setup, "rows": rows}, indent=1, allow_nan=False).encode()])
-        except OSError as e:  # it changed since check_json_out
-            raise ValueError(f"--json-out {args.json_out}: not written ({e.strerror}); the rows are printed "
-                             f"above") from None
+            rows = []
+            for group_rows in measure(variants, device, steps, repeats, warmup, peak, rate, args.profile):
+                rows += group_rows
+                print(format_rows(group_rows))
+                for r in group_rows:
+                    for op in r.get("profile", []):
+                        print(f"  {r['variant']:<28} {op['ms']:>9.1f} ms {op['calls']:>6.0f}x  {op['name'][:100]}")
+                if args.json_out:  # after each group: a run cut short keeps what it measured
+                    setup = {"suite": args.suite, "device": name, "cpu": cpu_name(), "torch": torch.__version__,
+                             "threads": torch.get_num_threads(), "datasheet_peak_flops": peak or None,
+                             "peak_source": source, "matmul_rate_flops": rate, "matmul_rate_n": suite.rate_n,
+                             "steps": steps, "repeats": repeats, "warmup": warmup}
+                    write_rows(args.json_out, setup, rows)
+    failed = [r["variant"] for r in rows if "error" in r]
+    if failed:
+        print(f"bench.py: {len(failed)} variant(s) failed: {', '.join(failed)} (their errors are in the table"
+              f"{' and --json-out' if args.json_out else ''})", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def write_rows(path, setup, rows):
+    try:
+        atomic_write_bytes(path, [json.dumps({**setup, "rows": rows}, indent=1, allow_nan=False).encode()])
+    except OSError as e:  # it changed since check_json_out
+        raise ValueError(f"--json-out {path}: not written ({e.strerror}); the rows are printed above") from None
 
 
 def check_json_out(path):
@@ -718,9 +745,10 @@ def check_json_out(path):
 if __name__ == "__main__":
     interrupt.started()  # from here Ctrl-C is KeyboardInterrupt
     try:
-        main()
+        sys.exit(main())
     except ValueError as e:
         sys.exit(f"bench.py: {e}")
     except KeyboardInterrupt:
-        sys.stderr.write("bench.py: interrupted; nothing was written, run the same command again\n")
+        sys.stderr.write("bench.py: interrupted; --json-out holds only the groups finished before it, run the same "
+                         "command again\n")
         raise SystemExit(128 + signal.SIGINT) from None

@@ -1,31 +1,34 @@
 """
-The first contact with a GPU in one command: every CUDA path of the repo on one H100/H200 in about
-6 minutes, one summary table, and results/gpu_check.json.
+Every GPU number in one command of under 9 minutes, on one H100/H200 as a lent machine has it: no
+package index (nothing is installed), no `datasets`, no network; only what lands under --out is
+kept. Each step is a subprocess with its own time limit, its log and numbers written under --out
+as it ends (a later hang keeps them), in the order of what the numbers are worth:
 
-    make gpu-check                 # = python gpu_check.py
-    python gpu_check.py --dry-run  # the plan; every command's arguments checked here, on CPU
+  pair      bench: the default model vs the plain GPT at 0.1B and 1.5B (bf16, compiled, flex)
+  data      byte-level shards of this repository's own text (prepare_data, no datasets)
+  train     torchrun train.py config/gamma1_1p5b.py on one GPU, 10 steps: tokens/s, MFU, peak
+            memory against train.py's estimate (its checkpoint is deleted, not brought back)
+  compiled  bench at 0.1B: what the gate, fused GEMMs and the unchunked loss cost (compiled)
+  fsdp      bench at 0.1B: train.py's own FSDP2 step (fp32 weights) against the bench's
+  eager     bench at 0.1B, uncompiled: RoPE by halves, the varlen kernel in place of flex
+  tests     tests/test_cuda.py
 
-Steps, each a subprocess with its own time limit (a failed one is reported, the next still runs),
-correctness first and speed last, so that a lease cut short still brings back the checks:
-  tests    tests/test_cuda.py: compiled Flex vs SDPA forward and backward, the varlen backend vs
-           SDPA and Flex (bf16) and compiled, bf16 grouped experts
-  data     byte-level shards made from this repository's own text (no download)
-  train    torchrun --nproc_per_node=1 train.py config/gamma1_0p1b.py, 50 steps, flex + bf16 +
-           compile, a checkpoint at the end; its peak memory against train.py's own estimate
-  export   that checkpoint as a HF folder, loaded back by transformers on the GPU and compared
-           with model.py's logits
-  bench    bench.py --suite cuda, shortened: the default model vs the plain GPT at 0.1B and 1.5B
-           (bf16, compiled as train.py compiles: blocks, final norm and loss chunks; flex), tokens/s
-           and MFU; at 0.1B also without the gate, with the other forms of model.py (RoPE halves,
-           fused GEMMs, eager full logits against the chunked loss), as train.py's own FSDP2 step
-           (fp32 weights) and, uncompiled, with the varlen attention backend in place of flex
---budget S caps the whole check (a step's limit shrinks to the time left); the summary JSON is
-rewritten after every step. Without CUDA (and without --dry-run) it exits 1 with one line.
+    python3 gpu_check.py --out "$OUT"        # on the GPU machine (the device tool's $OUT)
+    python3 gpu_check.py --dry-run --out D   # anywhere: the plan, each step's expected time, every
+                                             # command checked on CPU (pytest collects, bench and
+                                             # train.py plan, the data is really made)
+
+--out gets gpu_check.json (rewritten after every step: device, torch, the API checks, each step's
+command, time, numbers and log tail), one log per step, bench_<step>.json, and scratch/ (the data and
+the 1.5B run's metrics). MFU is against the datasheet peak, the measured matmul rate beside it (mfu.py).
 """
 
 import argparse
+import contextlib
+import importlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,163 +36,226 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PY = sys.executable
-# The headline pair at both sizes; at 0.1B what the gate and each form of model.py cost or save
-# against another (fused GEMMs: taken if a GPU says so), train.py's own step (FSDP2, fp32 weights)
-# against the bench's bf16 one, and the varlen kernel against flex (rope-halves and
-# uncompiled-varlen are eager: compare them with uncompiled).
-BENCH = ["bench.py", "--suite", "cuda", "--variants", "0.1b/reference,0.1b/default,0.1b/gate-none,0.1b/fused-gemms,"
-         "0.1b/full-loss,0.1b/train-step,0.1b/uncompiled,0.1b/rope-halves,0.1b/uncompiled-varlen,1.5b/reference,"
-         "1.5b/default",
-         "--steps", "5", "--repeats", "2", "--warmup", "2"]
-# The 0.1B recipe at a token budget one GPU does in a minute: 50 steps of 16 x 1024 byte tokens.
-TRAIN = ["train.py", "config/gamma1_0p1b.py", "--attn_backend=flex", "--compile=True", "--max_steps=50",
-         "--warmup_steps=10", "--global_batch=16", "--batch_size=16", "--seq_len=1024", "--model.eot_id=256",
-         "--log_interval=10", "--eval_interval=50", "--eval_batches=2", "--ckpt_interval=50", "--keep_steps=[]"]
+BUDGET_S = 540  # the lent machine allows 10 minutes a command: this leaves one for its start and the copy back
+
+# The torch APIs the GPU steps call that a CPU run does not reach, checked by name first: a torch
+# older than the repo's pin (the lent image has 2.11) then shows as one line, not a failed step.
+APIS = {
+    "torch.nn.attention.flex_attention.flex_attention": "attn_backend flex (train, bench, tests)",
+    "torch.nn.attention.flex_attention.create_block_mask": "flex's document masks",
+    "torch.nn.attention.varlen.varlen_attn": "attn_backend varlen (eager step, tests)",
+    "torch.nonzero_static": "varlen's sequence boundaries",
+    "torch._grouped_mm": "MoE grouped experts (tests)",
+    "torch.distributed.fsdp.fully_shard": "train.py and the fsdp step",
+    "torch.distributed.fsdp.MixedPrecisionPolicy": "train.py's bf16 compute on fp32 weights",
+    "torch.compile": "every compiled step",
+}
+
+# bench's shortened CUDA runs, one process each; the first variant of each is its group's yardstick.
+SHORT = ["--steps", "5", "--repeats", "2", "--warmup", "2"]
+BENCHES = {
+    "pair": "0.1b/reference,0.1b/default,1.5b/reference,1.5b/default",
+    "compiled": "0.1b/default,0.1b/gate-none,0.1b/fused-gemms,0.1b/full-loss",
+    "fsdp": "0.1b/default,0.1b/train-step",
+    "eager": "0.1b/uncompiled,0.1b/rope-halves,0.1b/uncompiled-varlen",
+}
+# config/gamma1_1p5b.py on byte tokens (its vocab and sizes kept), its per-GPU batch, one micro-batch a
+# step; steps 1-2 compile, 3-10 are timed.
+TRAIN = ["train.py", "config/gamma1_1p5b.py", "--model.eot_id=256", "--global_batch=8", "--max_steps=10",
+         "--warmup_steps=2", "--log_interval=1", "--eval_interval=10", "--eval_batches=1", "--ckpt_interval=10",
+         "--keep_steps=[]"]
+TESTS_S = 100  # tests/test_cuda.py took 88-95 s on an H200 (results/gpu/)
+STARTUP_S = 10  # a step's process: imports, CUDA's start, bench's matmul rate
 
 
-def commands(work):
+def steps(out):
     """(name, argv, time limit in s) of every step, in order."""
-    data, run = os.path.join(work, "data"), os.path.join(work, "run")
+    scratch = os.path.join(out, "scratch")
+    data, run = os.path.join(scratch, "data"), os.path.join(scratch, "run")
+    bench = {name: [PY, "bench.py", "--suite", "cuda", "--variants", variants, *SHORT,
+                    "--json-out", os.path.join(out, f"bench_{name}.json")] for name, variants in BENCHES.items()}
     return [
-        ("tests", [PY, "-m", "pytest", "-q", "tests/test_cuda.py"], 180),
+        ("pair", bench["pair"], 180),
         ("data", [PY, "prepare_data.py", "text", "--out", data, "--tokenizer", "bytes", "--force",
-                  "--val-fraction", "0.05", "--source", f"repo={write_corpus(work)}"], 60),
+                  "--val-fraction", "0.05", "--source", f"repo={os.path.join(scratch, 'corpus.txt')}"], 60),
         ("train", [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", *TRAIN,
-                   f"--data_dir={data}", f"--out_dir={run}", "--resume=False"], 300),
-        ("export", [PY, "train.py", "export", os.path.join(run, "ckpt_00000050"), os.path.join(work, "hf"),
-                    "--format", "hf"], 120),
-        ("bench", [PY, *BENCH, "--json-out", os.path.join(work, "bench.json")], 420),
+                   f"--data_dir={data}", f"--out_dir={run}", "--resume=False"], 180),
+        ("compiled", bench["compiled"], 150),
+        ("fsdp", bench["fsdp"], 120),
+        ("eager", bench["eager"], 90),
+        ("tests", [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"], 150),
     ]
 
 
-def write_corpus(work):
+def write_corpus(scratch):
     """This repository's Python and Markdown files as one text file: real text, no download."""
-    path = os.path.join(work, "corpus.txt")
-    with open(path, "w") as out:
+    os.makedirs(scratch, exist_ok=True)
+    with open(os.path.join(scratch, "corpus.txt"), "w") as out:
         for name in sorted(os.listdir(HERE)):
             if name.endswith((".py", ".md")):
                 out.write(open(os.path.join(HERE, name), encoding="utf-8").read() + "\n\n")
-    return path
 
 
-def run_step(name, argv, limit, work):
-    """One step as a subprocess in its own session: on its time limit the whole group goes (torchrun's
-    workers too, which would otherwise hold the GPU for the steps after). Its output: work/<name>.log."""
+def api_checks():
+    """{api: 'ok' or 'missing (what needs it)'} for this torch."""
+    found = {}
+    for api, user in APIS.items():
+        module, _, name = api.rpartition(".")
+        try:
+            ok = hasattr(importlib.import_module(module), name)
+        except ImportError:
+            ok = False
+        found[api] = "ok" if ok else f"missing ({user})"
+    return found
+
+
+def expected_seconds(out):
+    """{step: seconds expected on an H100/H200}: bench's own plan for the bench steps (its nominal peak
+    and assumed MFU), train.py's FLOPs at 40% of the datasheet peak plus a compile and the init for
+    train, the measured time for the tests."""
+    import bench
+    import train
+    suite = bench.SUITES["cuda"]
+    expected = {name: round(bench.plan(bench.select(suite.variants(), variants), suite, 5, 2, 2,
+                                       suite.nominal_peak)[1]) for name, variants in BENCHES.items()}
+    cfg = train.load_config([*TRAIN[1:], f"--data_dir={out}/scratch/data"])
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        plan = train.print_plan(cfg, 1)
+    flops = plan["flops_per_token"] * plan["tokens_per_step"] * cfg["max_steps"]
+    init = plan["params"]["total"] * bench.INIT_S_PER_PARAM
+    expected["train"] = round(flops / (0.4 * suite.nominal_peak) + suite.compile_s + init + 20)
+    expected.update(data=10, tests=TESTS_S)
+    return {name: seconds + STARTUP_S for name, seconds in expected.items()}
+
+
+def run_step(name, argv, limit, out):
+    """One step in its own session: on its time limit the whole group goes (torchrun's workers too,
+    which would otherwise hold the GPU for the steps after). Its output goes to out/<name>.log as it
+    comes, so a step killed from outside still leaves its log."""
     t0 = time.time()
-    p = subprocess.Popen(argv, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
-    try:
-        out, ok = p.communicate(timeout=limit)[0], p.returncode == 0
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, ok = p.communicate()[0] + f"\ntimed out after {limit:.0f} s", False
-    with open(os.path.join(work, f"{name}.log"), "w") as f:
-        f.write(out)
+    log = os.path.join(out, f"{name}.log")
+    with open(log, "w") as f:
+        p = subprocess.Popen(argv, cwd=HERE, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            ok = p.wait(timeout=limit) == 0
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            f.write(f"\ntimed out after {limit:.0f} s\n")
+            ok = False
+    tail = open(log, errors="replace").read().strip().splitlines()[-12:]
     return {"step": name, "ok": ok, "seconds": round(time.time() - t0, 1), "command": " ".join(argv),
-            "tail": [line[:300] for line in out.strip().splitlines()[-12:]]}
+            "tail": [line[:300] for line in tail]}
 
 
 def bench_numbers(path):
+    """Each variant's tokens/s, MFU, share of the matmul rate and ratio, or its error: rows are kept as
+    bench finishes each group, so a failed or cut run still gives the ones it measured."""
+    if not os.path.exists(path):
+        return {}
     rows = json.load(open(path))["rows"]
-    return {r["variant"]: {"tokens_per_s": round(r["tokens_per_s"]), "mfu": round(r["mfu"], 3)} for r in rows}
+    return {r["variant"]: {"error": r["error"]} if "error" in r else
+            {"tokens_per_s": round(r["tokens_per_s"]), "mfu": r["mfu"] and round(r["mfu"], 3),
+             "of_matmul_rate": round(r["of_matmul_rate"], 3), "ratio": round(r["ratio"], 3),
+             "paired_ratio": round(r["paired_ratio"], 3), "ratio_to": r["ratio_to"]} for r in rows}
 
 
-def compare_export(work):
-    """Max |logits| difference between transformers' load of the export and model.py, fp32 on the GPU."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from checkpoint import load_model
-    net, _ = load_model(os.path.join(work, "run", "ckpt_00000050"), device="cuda")
-    hf = AutoModelForCausalLM.from_pretrained(os.path.join(work, "hf"), trust_remote_code=True).cuda().eval()
-    idx = torch.randint(0, 256, (2, 256), device="cuda")
-    with torch.no_grad():
-        ours, _ = net.float()(idx)
-        theirs = hf.float()(idx).logits
-    return {"max_abs_logit_diff": (ours.float() - theirs.float()).abs().max().item()}
-
-
-def memory(work):
-    """train.py's measured peak (metrics.jsonl) against its plan's estimate for the same settings."""
-    import contextlib
-    import io
+def train_numbers(out):
+    """The 1.5B run's steady steps (3 on: 1-2 compile) and its peak memory against train.py's estimate;
+    its checkpoint (~18 GB of fp32 weights and AdamW state) is deleted, not brought back."""
+    import statistics
 
     import train
-    cfg = train.load_config([*TRAIN[1:], f"--data_dir={work}/data"])
-    with contextlib.redirect_stdout(io.StringIO()):
+    run = os.path.join(out, "scratch", "run")
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if '"tokens_per_s"' in line]
+    for name in os.listdir(run):
+        if name.startswith("ckpt_"):
+            shutil.rmtree(os.path.join(run, name))
+    cfg = train.load_config([*TRAIN[1:], f"--data_dir={out}/scratch/data"])
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
         estimate = train.print_plan(cfg, 1)["memory_bytes"] / 2**30
-    rows = [json.loads(line) for line in open(os.path.join(work, "run", "metrics.jsonl"))]
-    peak = max(r["mem_gib"] for r in rows if "mem_gib" in r)
-    return {"peak_gib": round(peak, 2), "estimate_gib": round(estimate, 2), "ratio": round(peak / estimate, 3)}
+    steady = [r for r in rows if r["step"] >= 3]
+    peak = max(r["mem_gib"] for r in rows)
+    return {"tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in steady)),
+            "mfu": round(statistics.median(r["mfu"] for r in steady), 3), "peak_gib": round(peak, 2),
+            "estimate_gib": round(estimate, 2), "peak_over_estimate": round(peak / estimate, 3)}
 
 
-def dry_run(work):
-    """Every step's command, its arguments checked on CPU: pytest collects, bench and train plan,
-    the data is really made (seconds); the export and comparisons need the trained checkpoint."""
-    checks = {"tests": [PY, "-m", "pytest", "-q", "--collect-only", "tests/test_cuda.py"],
-              "bench": [PY, *BENCH, "--dry-run"],
-              "train": [PY, *TRAIN, f"--data_dir={work}/data", f"--out_dir={work}/run", "--dry_run=1"]}
+def dry_run(out):
+    """The plan with each step's expected time; every command checked on CPU: pytest collects, bench
+    and train.py plan, the data is really made (seconds). 0 when every check passed and it fits."""
+    write_corpus(os.path.join(out, "scratch"))
+    expected = expected_seconds(out)
+    checks = {"pair": "--dry-run", "compiled": "--dry-run", "fsdp": "--dry-run", "eager": "--dry-run"}
     failed = 0
-    for name, argv, limit in commands(work):
-        print(f"{name:<7} {' '.join(argv)}  (limit {limit} s)")
-        check = checks.get(name, argv if name == "data" else None)
-        if check:
-            p = subprocess.run(check, cwd=HERE, capture_output=True, text=True, timeout=300)
-            failed += p.returncode != 0
-            print(f"        check: {'ok' if p.returncode == 0 else 'FAILED: ' + (p.stderr or p.stdout).strip()[-300:]}")
-    print("then: the export loaded by transformers vs model.py; peak memory vs train.py's estimate")
-    return 1 if failed else 0
+    for name, api in api_checks().items():
+        failed += api != "ok"
+        print(f"api     {name}: {api}")
+    for name, argv, limit in steps(out):
+        print(f"{name:<8} ~{expected[name]:>3} s (limit {limit} s)  {' '.join(argv)}")
+        check = ([*argv[:-2], checks[name]] if name in checks else
+                 [*argv[:3], "--collect-only", *argv[3:]] if name == "tests" else
+                 [PY, *TRAIN, *argv[-3:-1], "--dry_run=1"] if name == "train" else argv)
+        p = subprocess.run(check, cwd=HERE, capture_output=True, text=True, timeout=300)
+        failed += p.returncode != 0
+        print(f"         check: {'ok' if p.returncode == 0 else 'FAILED: ' + (p.stderr or p.stdout).strip()[-300:]}")
+    total = sum(expected.values())
+    print(f"expected {total} s in all, budget {BUDGET_S} s{'' if total <= BUDGET_S else ': OVER'}")
+    write_summary(out, {"dry_run": True, "expected_s": expected, "apis": api_checks(), "steps": []})
+    return 1 if failed or total > BUDGET_S else 0
+
+
+def write_summary(out, summary):
+    from fileio import write_json
+    write_json(os.path.join(out, "gpu_check.json"), summary)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
-    p.add_argument("--dry-run", action="store_true", help="print the plan and check each command's arguments on CPU")
-    p.add_argument("--work", default="out/gpu_check", help="folder for the data, the run and the export")
-    p.add_argument("--json-out", default="results/gpu_check.json", help="where the summary is written")
+    p.add_argument("--out", default=os.environ.get("OUT") or "out/gpu_check",
+                   help="folder for everything it writes (default: $OUT, else out/gpu_check)")
+    p.add_argument("--dry-run", action="store_true", help="the plan and each command checked, on any machine")
     p.add_argument("--only", help="comma-separated steps to run (default: all, in order)")
-    p.add_argument("--budget", type=float, default=900,
+    p.add_argument("--budget", type=float, default=BUDGET_S,
                    help="seconds for the whole check; a step's limit shrinks to what is left")
     args = p.parse_args(argv)
-    work = os.path.abspath(args.work)
-    os.makedirs(work, exist_ok=True)
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
     if args.dry_run:
-        return dry_run(work)
+        return dry_run(out)
     import torch
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here (torch.cuda.is_available() is False): run it on a GPU machine, "
               "or pass --dry-run for the plan", file=sys.stderr)
         return 1
-    from fileio import write_json
-    extras = {"bench": lambda: bench_numbers(os.path.join(work, "bench.json")), "export": lambda: compare_export(work),
-              "train": lambda: memory(work)}
-    deadline, rows = time.time() + args.budget, []
-    for name, argv, limit in commands(work):
+    write_corpus(os.path.join(out, "scratch"))
+    summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+               "when": time.strftime("%Y-%m-%d %H:%M:%S"), "apis": api_checks(), "steps": []}
+    numbers = {"train": lambda: train_numbers(out),
+               **{name: (lambda name=name: bench_numbers(os.path.join(out, f"bench_{name}.json"))) for name in BENCHES}}
+    deadline = time.time() + args.budget
+    for name, argv, limit in steps(out):
         if args.only and name not in args.only.split(","):
             continue
         left = deadline - time.time()
-        if left < 20:
-            rows.append({"step": name, "ok": False, "seconds": 0, "command": " ".join(argv),
-                         "tail": [f"not run: {args.budget} s budget spent"]})
-        else:
-            rows.append(run_step(name, argv, min(limit, left), work))
-        row = rows[-1]
-        if row["ok"] and name in extras:
+        row = (run_step(name, argv, min(limit, left), out) if left >= 20 else
+               {"step": name, "ok": False, "seconds": 0, "command": " ".join(argv),
+                "tail": [f"not run: the {args.budget:.0f} s budget is spent"]})
+        if name in numbers and (row["ok"] or name in BENCHES):
             try:
-                row["numbers"] = extras[name]()
+                row["numbers"] = numbers[name]()
             except Exception as e:  # noqa: BLE001 (a summary row, not a crash: the other numbers still count)
                 row.update(ok=False, numbers={"error": f"{type(e).__name__}: {e}"})
-        elif name == "tests" and "passed" in " ".join(row["tail"]):
-            row["numbers"] = {"summary": row["tail"][-1]}
+        summary["steps"].append(row)
         print(f"{name}: {'ok' if row['ok'] else 'FAILED'} in {row['seconds']} s", flush=True)
-        # Rewritten after each step: a check killed from outside still leaves what it measured.
-        write_json(args.json_out, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                   "when": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": rows})
-    print(f"\n{'step':<8}{'ok':<5}{'s':>7}  numbers")
-    for r in rows:
-        numbers = json.dumps(r.get("numbers", ""))[:200]
-        print(f"{r['step']:<8}{'yes' if r['ok'] else 'NO':<5}{r['seconds']:>7}  {numbers}")
-    print(f"wrote {args.json_out}")
-    return 0 if all(r["ok"] for r in rows) else 1
+        write_summary(out, summary)
+    print(f"\n{'step':<9}{'ok':<5}{'s':>7}")
+    for r in summary["steps"]:
+        print(f"{r['step']:<9}{'yes' if r['ok'] else 'NO':<5}{r['seconds']:>7}")
+        for key, value in (r.get("numbers") or {}).items():
+            print(f"    {key}: {json.dumps(value)}")
+    print(f"wrote {os.path.join(out, 'gpu_check.json')}")
+    return 0 if all(r["ok"] for r in summary["steps"]) else 1
 
 
 if __name__ == "__main__":

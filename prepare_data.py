@@ -496,11 +496,26 @@ def builder_options(source, builder):
     return options
 
 
-def open_source(source):
-    """(dataset with .iter(batch_size), text column, local data files) of one source."""
-    import datasets  # ~3 s to import: only reading text sources needs it (not `anchor`, not --help)
-
+def open_source(source, batch_size=1000):
+    """(batches of records as {column: values}, text column, local data files) of one source. A file
+    or glob of .txt files is read here; every other source through datasets."""
     layout, split, path = source_layout(source), split_read(source), os.path.expanduser(source.path)
+    if layout == "files":
+        files, builder = source_files(source)
+        if builder == "text":
+            check_not_empty(source, files)
+            return plain_text_batches(source, files, batch_size), "text", files
+    try:  # ~3 s to import: only reading a source other than .txt files needs it
+        import datasets
+    except ImportError:
+        raise ValueError(f"source {source.name}: reading {source.path} needs the datasets package (pip install "
+                         f"datasets); a .txt file or a glob of them is read without it") from None
+    ds, field, files = open_dataset(datasets, source, layout, split, path)
+    return ds.iter(batch_size=batch_size), field, files
+
+
+def open_dataset(datasets, source, layout, split, path):
+    """(dataset, text column, local data files) of a source that datasets reads."""
     if layout in ("saved", "saved_dict"):  # load_dataset refuses these: load_from_disk reads them
         ds = datasets.load_from_disk(path)
         if layout == "saved_dict":
@@ -542,6 +557,35 @@ def open_source(source):
 
 def open_file(path):
     return COMPRESSED.get(os.path.splitext(path)[1], open)(path, "rb")
+
+
+TEXT_BLOCK_CHARS = 1 << 22  # .txt files are read this many characters at a time
+
+
+def plain_text_batches(source, files, batch_size):
+    """{"text": [document, ...]} batches of .txt files, cut as datasets' text builder cuts them
+    (the study's data was made through it: the same documents keep its fingerprint) but without
+    datasets, which a bare GPU image lacks. Universal newlines (\r\n and \r read as \n), then per
+    sample_by: paragraphs between blank lines ("\n\n"), lines, or the whole file. Empty pieces are
+    dropped (datasets keeps empty lines; every document is filtered for blanks after this anyway)."""
+    cut = {"paragraph": "\n\n", "line": "\n", "document": None}[source.sample_by]
+    batch = []
+    for path in files:
+        with io.TextIOWrapper(open_file(path), encoding=source.encoding or "utf-8") as f:
+            rest = ""
+            for block in iter(lambda: f.read(TEXT_BLOCK_CHARS), ""):
+                if cut is None:
+                    rest += block
+                    continue
+                # A cut may straddle two blocks: the last piece waits for the next block.
+                *pieces, rest = (rest + block).split(cut)
+                batch += filter(None, pieces)
+            batch += filter(None, [rest])
+        while len(batch) >= batch_size:
+            yield {"text": batch[:batch_size]}
+            batch = batch[batch_size:]
+    if batch:
+        yield {"text": batch}
 
 
 def check_plain(source, path):
@@ -596,13 +640,13 @@ def document_text(value, source, field, index, columns):
 def iter_texts(source, batch_size=1000):
     """Lists of document texts of one source, streamed (nothing is cached or loaded whole).
     The source is opened now, so a bad one fails before any progress output."""
-    return document_batches(source, *open_source(source), batch_size)
+    return document_batches(source, *open_source(source, batch_size))
 
 
-def document_batches(source, ds, field, files, batch_size):
+def document_batches(source, batches, field, files):
     read = 0
     try:
-        for batch in ds.iter(batch_size=batch_size):
+        for batch in batches:
             if field not in batch:
                 raise ValueError(f"source {source.name}: no field {field!r}; columns are {sorted(batch)}; "
                                  f"pass field=<column> in --source")

@@ -28,7 +28,6 @@ import importlib.util
 import json
 import math
 import os
-import re
 import resource
 import signal
 import sys
@@ -47,6 +46,7 @@ from checkpoint import (WRITE_LIMITS, Metrics, RunDirError, allocating, complete
 from configurator import configure, settings_help, unknown_key
 from data import TokenLoader, check_model_vocab, check_token_ids, data_fingerprint
 from fileio import write_json
+from mfu import datasheet_peak, matmul_rate
 from init import check_overrides, format_report
 from downstream import open_training_bench
 from model import ATTN_BACKENDS, GAMMA_MAX, GPT, compile_model_, config_for, init_model_, load_varlen, loss_tail_bytes
@@ -182,9 +182,9 @@ def train(cfg):
         with Metrics(cfg, rank, step if resumed else None) as metrics:
             if changes:
                 metrics.record({"step": step, "resume_changes": changes})
-            peak, source = matmul_peak(cfg, device)
-            log0(f"MFU against a peak of {peak / 1e12:.3g} TFLOP/s per device ({source})" if peak else
-                 f"MFU not reported: unknown peak for {source}; set --peak_flops")
+            peak, source = mfu_peak(cfg, device)
+            log0(f"MFU against a peak of {peak / 1e12:.3g} TFLOP/s per device ({source}){matmul_now(device)}"
+                 if peak else f"MFU not reported: {source}; set --peak_flops")
             fpt = net.flops_per_token(cfg["seq_len"])
             last_ckpt = resumed
             if not resumed:
@@ -420,21 +420,18 @@ def decay_start(max_steps, decay_frac):
     return max_steps - int(decay_frac * max_steps)
 
 
-def matmul_peak(cfg, device):
-    """(peak FLOP/s of one device for MFU, where it came from): peak_flops if set; H100/H200 bf16
-    dense from the datasheet. 0 (MFU not reported) on a CPU or an unknown GPU: a CPU's matmul rate
-    has no datasheet figure (it depends on threads, vector units and the neighbours), and a rate
-    timed at start-up depends on the load then, low enough to put MFU above 100%."""
-    if cfg["peak_flops"]:
-        return cfg["peak_flops"], "peak_flops setting"
+def mfu_peak(cfg, device):
+    """(peak FLOP/s of one device for MFU, where it came from): peak_flops if set, else the datasheet's
+    (mfu.py; 0, no MFU, on a CPU or a GPU it does not list)."""
+    return (cfg["peak_flops"], "peak_flops setting") if cfg["peak_flops"] else datasheet_peak(device)
+
+
+def matmul_now(device):
+    """'; bf16 matmuls reach X TFLOP/s here now': printed beside the datasheet peak, never divided by
+    (mfu.py). Half a second on a GPU; not on a CPU, which has no MFU to compare it with."""
     if device.type != "cuda":
-        return 0.0, "no nominal peak on CPU: set peak_flops for MFU"
-    name = torch.cuda.get_device_name(device)
-    if "H100" in name and "PCIe" in name:
-        return 756e12, f"{name} datasheet"
-    if "H100" in name and "NVL" in name:
-        return 835e12, f"{name} datasheet"
-    return (989e12, f"{name} datasheet") if re.search(r"H100|H200", name) else (0.0, name)  # SXM parts
+        return ""
+    return f"; bf16 matmuls reach {matmul_rate(device, torch.bfloat16, 8192, 20) / 1e12:.3g} TFLOP/s here now"
 
 
 def memory_estimate(net, mcfg, cfg, world, accum):

@@ -10,7 +10,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import model as model_module
 from init import gamma_init_
-from model import GPT, GPTConfig, MoE, build_attention_mask, compiled, init_model_, varlen_attention
+from model import GPT, GPTConfig, MoE, build_attention_mask, compiled, init_model_, varlen_attention, varlen_boundaries
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 EOT = 0
@@ -93,9 +93,11 @@ def test_compiled_varlen_model_trains_without_recompiling_inside_a_bucket():
     init_model_(model, gamma=0.5)
     model = model.bfloat16()
     idx = torch.randint(1, 512, (2, 512), device="cuda")
-    idx[0, [100, 300]] = EOT  # 5 documents: cu_seqlens padded to 8 sequences
+    idx[0, [100, 300]] = EOT  # 3 documents in row 0 ...
+    idx[1, 250] = EOT         # ... and 2 in row 1: 5, cu_seqlens padded to 8 sequences
     later = idx.clone()
     later[1, 400] = EOT       # 6 documents: the same 8, so the same compiled graphs
+    assert [len(varlen_boundaries(x, EOT)) for x in (idx, later)] == [9, 9]
     with torch.no_grad():
         _, sdpa_loss = model(later, later)  # eager, dense mask: the reference
     model.set_attn_backend("varlen")
@@ -139,8 +141,10 @@ def test_train_py_on_the_gpu_compiled_flex_bf16_then_export(tmp_path):
     (tmp_path / "txt" / "a.txt").write_text("\n\n".join(f"document {i}: " + "the cat sat on the mat. " * 40
                                                         for i in range(400)))
     data, out = tmp_path / "bytes", tmp_path / "run"
+    # A .txt file, not a folder: read without datasets, which the lent GPU machine lacks.
     subprocess.run([sys.executable, "prepare_data.py", "text", "--out", str(data), "--source",
-                    f"en={tmp_path / 'txt'}", "--tokenizer", "bytes"], cwd=root, check=True, capture_output=True)
+                    f"en={tmp_path / 'txt' / 'a.txt'}", "--tokenizer", "bytes"], cwd=root, check=True,
+                   capture_output=True)
     run = subprocess.run([sys.executable, "train.py", "--model_size=tiny", f"--data_dir={data}", f"--out_dir={out}",
                           "--seq_len=128", "--global_batch=8", "--batch_size=4", "--max_steps=6", "--warmup_steps=2",
                           "--eval_interval=3", "--ckpt_interval=3", "--eval_batches=1", "--compile=True",

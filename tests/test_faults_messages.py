@@ -212,7 +212,7 @@ def test_ctrl_c_during_a_bench_run_is_one_line_and_130():
     code, err = ctrl_c_after(["bench.py", "--variants", "reference", "--batch", "2", "--seq-len", "16", "--steps",
                               "100000", "--repeats", "1", "--warmup", "1"], "estimated time", timeout=60)
     assert code == 130 and err.strip().splitlines() == [
-        "bench.py: interrupted; nothing was written, run the same command again"], err
+        "bench.py: interrupted; --json-out holds only the groups finished before it, run the same command again"], err
 
 
 def test_launcher_outputs_under_a_link_to_nothing_or_a_loop_are_refused(tmp_path):

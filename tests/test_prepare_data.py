@@ -1004,3 +1004,25 @@ def test_anchor_sizes_are_checked_by_the_parser(tmp_path, capsys, argv, message)
     assert e.value.code == 2
     said = capsys.readouterr().err.strip()
     assert said.startswith("error: ") and "\n" not in said and message in said, said
+
+
+@pytest.mark.parametrize("sample_by", ["paragraph", "line", "document"])
+def test_txt_files_read_without_datasets_give_the_documents_datasets_gives(tmp_path, monkeypatch, sample_by):
+    """The reference is datasets' text builder, which made the study's data: the same documents
+    through universal newlines, runs of blank lines, a cut straddling two read blocks (7
+    characters here), a gzip file, another encoding and a file without a final newline."""
+    datasets = pytest.importorskip("datasets", reason="datasets is the reference reader")
+    texts = {"a.txt": "one\r\ntwo\r\n\r\nthree\rfour\r\r\n\n\n  \n\nfive six seven eight\n\n\n",
+             "b.txt": "\n\nstarts blank\n\nno final newline",
+             "c.txt.gz": "gz one\n\ngz two\n", "d.txt": "caf\u00e9\n\nna\u00efve\n"}
+    for name, text in texts.items():
+        opener = __import__("gzip").open if name.endswith(".gz") else open
+        with opener(tmp_path / name, "wb") as f:
+            f.write(text.encode("latin-1"))
+    monkeypatch.setattr(P, "TEXT_BLOCK_CHARS", 7)
+    source = P.parse_source(f"t={tmp_path}/*.txt*,sample_by={sample_by},encoding=latin-1")
+    ours = [t for b in P.iter_texts(source, batch_size=3) for t in b]
+    reference = datasets.load_dataset("text", data_files=sorted(map(str, tmp_path.glob("*.txt*"))), split="train",
+                                      streaming=True, sample_by=sample_by, encoding="latin-1")
+    theirs = [t for t in (r["text"] for r in reference) if t and not t.isspace()]
+    assert ours == theirs and len(ours) >= len(texts)

@@ -623,8 +623,19 @@ def test_no_thread_outlives_a_run_that_stopped_on_an_error(data_dir, tmp_path): 
 def test_mfu_on_cpu_only_against_a_peak_the_user_gives():
     # A CPU has no datasheet peak: a start-up timing under load once printed MFU 148-152%.
     cpu = torch.device("cpu")
-    assert train.matmul_peak({"peak_flops": 0.0}, cpu)[0] == 0.0
-    assert train.matmul_peak({"peak_flops": 2e11}, cpu) == (2e11, "peak_flops setting")
+    assert train.mfu_peak({"peak_flops": 0.0}, cpu)[0] == 0.0 and train.matmul_now(cpu) == ""
+    assert train.mfu_peak({"peak_flops": 2e11}, cpu) == (2e11, "peak_flops setting")
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                                        ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200", 989e12), ("NVIDIA A100", 0.0)])
+def test_mfu_is_against_the_datasheet_peak_for_train_and_bench_alike(monkeypatch, name, peak):
+    # NVIDIA's dense bf16 figures by the name CUDA reports; a GPU not listed gets no MFU, not a guess.
+    import mfu
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    gpu = torch.device("cuda", 0)
+    assert mfu.datasheet_peak(gpu)[0] == peak
+    assert train.mfu_peak({"peak_flops": 0.0}, gpu)[0] == peak
 
 
 def test_a_model_field_newer_than_the_checkpoint_counts_as_its_default(run6, tmp_path):
