@@ -19,6 +19,7 @@ hard links is written to.
 """
 
 import errno
+import fcntl
 import glob
 import hashlib
 import itertools
@@ -35,6 +36,7 @@ import sys
 import threading
 import warnings
 import zipfile
+import contextlib
 from contextlib import contextmanager
 from dataclasses import asdict, fields
 
@@ -494,13 +496,77 @@ def remove_tree(path):
         shutil.rmtree(path)
 
 
-def prune_checkpoint(path):
-    """Delete a checkpoint so that a kill at any moment leaves no half-deleted ckpt_ folder:
-    renamed out of the ckpt_* namespace first (atomic), then removed; train.py clears leftover
-    deleting_ folders at start."""
-    trash = os.path.join(os.path.dirname(path), "deleting_" + os.path.basename(path))
-    os.rename(path, trash)
-    remove_tree(trash)
+# Readers and the pruner. eval, export and the HF export read checkpoints of a run that may still be
+# training, and with keep_last the training deletes old ones, maybe one being read (a model loads
+# for seconds; a run may save every step). A reader holds a shared flock on the checkpoint's
+# meta.json while it reads; the pruner takes it exclusively without waiting and, when a reader
+# holds it, keeps the checkpoint for a later save's prune (keep_last is exceeded meanwhile, never
+# the training slowed). The alternatives were worse: a pruner that waits stalls training on a
+# reader, and a reader that retries on failure cannot tell a pruned file from a damaged one.
+# A reader that comes too late (the pruner holds the lock, or has already renamed the folder to
+# deleting_) sees the checkpoint gone, never half-deleted: see held_whole.
+
+def meta_fd(path):
+    """A read-only descriptor of path/meta.json (the lock's file), or None: no meta.json (damage the
+    checks name), a symlink. O_NONBLOCK: a FIFO in its place must not hang the open."""
+    try:
+        return os.open(os.path.join(path, "meta.json"), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+
+
+@contextmanager
+def held_whole(path):
+    """Hold checkpoint folder `path` whole for the block (its reader's lock, above). Yields False when it
+    was pruned before the lock was taken: the folder is gone (renamed by the pruner), or its meta.json
+    is locked for deletion or no longer the file opened. A damaged folder still yields True: its
+    checks then say what is wrong with it."""
+    fd = meta_fd(path)
+    if fd is None:
+        yield os.path.lexists(path)
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:  # the pruner holds it: being deleted now
+            yield False
+            return
+        try:
+            now = os.stat(os.path.join(path, "meta.json"), follow_symlinks=False)
+        except OSError:
+            now = None
+        yield now is not None and (now.st_dev, now.st_ino) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
+    finally:
+        os.close(fd)
+
+
+def pruned_error(path):
+    """The one line for a checkpoint named by its path that its training pruned before it could be read."""
+    run = os.path.dirname(os.path.abspath(path))
+    newest = complete_checkpoints(run)
+    return ValueError(f"{path} was pruned by its training (keep_last) before it could be read, not damaged: pass "
+                      f"{'a newer one (the newest is ' + os.path.basename(newest[-1]) + ')' if newest else 'another'}"
+                      f", or the run folder {run} to read its newest")
+
+
+def prune_checkpoint(path, unless_read=True):
+    """Delete a checkpoint so that a kill at any moment leaves no half-deleted ckpt_ folder: renamed
+    out of the ckpt_* namespace first (atomic), then removed; train.py clears leftover deleting_
+    folders at start. unless_read: kept (False returned) while a reader holds it (held_whole)."""
+    fd = meta_fd(path) if unless_read else None
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+        trash = os.path.join(os.path.dirname(path), "deleting_" + os.path.basename(path))
+        os.rename(path, trash)
+        remove_tree(trash)
+        return True
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def clear_leftovers(run_dir):
@@ -780,7 +846,7 @@ def save_checkpoint(cfg, step, net, opt, loader, meta, last_good):
         raise
     if rank == 0:
         if os.path.lexists(final):  # a damaged one that resume fell back from (or a link): replaced
-            prune_checkpoint(final)
+            prune_checkpoint(final, unless_read=False)
         os.rename(tmp, final)
         # keep_last counts complete checkpoints (each .metadata read, ms apiece), so a damaged
         # newer folder never displaces a good older one
@@ -899,6 +965,8 @@ def find_checkpoints(path):
         raise ValueError(f"{path} is a data folder (prepare_data.py output), not a checkpoint: {CKPT_FIX}")
     if os.path.exists(os.path.join(path, "meta.json")) or os.path.exists(os.path.join(path, ".metadata")):
         problem = checkpoint_problem(path)
+        if problem and not os.path.lexists(path):  # renamed away while checked: the pruner's, not damage
+            raise pruned_error(path)
         if problem:
             others = complete_checkpoints(os.path.dirname(os.path.abspath(path)))
             hint = f"complete ones beside it: {', '.join(os.path.basename(o) for o in others)}" if others else \
@@ -938,11 +1006,26 @@ def sums_check(verify):
     return lambda path, meta, why: why or (checksum_problem(path, meta) if verify else None)
 
 
-def newest_in_run(run_dir, verify):
+class Pruned(Exception):
+    """The checkpoint being opened was pruned by its training (newest_in_run)."""
+
+
+def newest_in_run(run_dir, verify, held=None):
     """(path, its meta.json) of a run folder's newest intact checkpoint (newest_intact, sums_check);
-    says on stderr which newer ones were passed over and why."""
+    says on stderr which newer ones were passed over and why. held (an ExitStack): each candidate is
+    held whole in it (held_whole) before it is checked, and (None, None) means that one was pruned
+    meanwhile (the training saved newer ones): ask again, for the newest now."""
     found, damaged = scan_checkpoints(run_dir)
-    path, meta, passed = newest_intact(found, sums_check(verify))
+
+    def check(path, meta, why):
+        if held is not None and not held.enter_context(held_whole(path)):
+            raise Pruned
+        return sums_check(verify)(path, meta, why)
+
+    try:
+        path, meta, passed = newest_intact(found, check)
+    except Pruned:
+        return None, None
     problems = dict(damaged + passed)
     if path is None:
         if not problems:
@@ -979,17 +1062,35 @@ def allocating(what, fix):
 def load_model(path, device="cpu", attn_backend=None, verify=True):
     """The one model-loading path (export and every analysis): (GPT in eval mode, info) where info holds
     the checkpoint's model_config, config, step and data_meta. A run folder gives its newest intact
-    checkpoint. verify=False skips the sha256 check of the checkpoint's files (a full read of them)."""
+    checkpoint. verify=False skips the sha256 check of the checkpoint's files (a full read of them).
+    A checkpoint folder is held whole while it is read (held_whole): a training beside it prunes it
+    only after. A run folder's newest pruned before it was held (the training saved twice meanwhile)
+    is passed over for the newest then, said in one line; a checkpoint named so is a one-line error."""
     found = find_checkpoints(path)
-    if os.path.isdir(path) and found != [path]:  # a run folder
-        path, info = newest_in_run(path, verify)
-    elif os.path.isdir(path):
-        # meta.json read once: the settings returned are then those whose sha256s were checked,
-        # even if the file is replaced meanwhile.
-        _, info, passed = newest_intact([path], sums_check(verify))
-        if info is None:
-            raise ValueError(f"{path}: damaged checkpoint ({passed[0][1]}); pass another checkpoint")
     if os.path.isfile(path):
+        return load_weights(path, None, device, attn_backend)
+    run_dir = path if found != [path] else None
+    while True:
+        with contextlib.ExitStack() as held:
+            if run_dir:
+                path, info = newest_in_run(run_dir, verify, held)
+            elif not held.enter_context(held_whole(path)):
+                raise pruned_error(path)
+            else:
+                # meta.json read once: the settings returned are then those whose sha256s were checked,
+                # even if the file is replaced meanwhile.
+                _, info, passed = newest_intact([path], sums_check(verify))
+                if info is None:
+                    raise ValueError(f"{path}: damaged checkpoint ({passed[0][1]}); pass another checkpoint")
+            if path is not None:
+                return load_weights(path, info, device, attn_backend)
+        print(f"{run_dir}: its newest checkpoint was pruned by its training as it was opened; reading the "
+              f"newest again", file=sys.stderr)
+
+
+def load_weights(path, info, device, attn_backend):
+    """load_model's model from a checkpoint folder whose meta.json (info) has been read, or a .pt export."""
+    if info is None:
         blob = read_export(path)
         info = {k: v for k, v in blob.items() if k != "model"}
     # Built on the meta device: the random init of GPT(cfg) would be overwritten anyway, and at

@@ -60,9 +60,11 @@ def end_child(proc):
     return code
 
 
-def stop_children(grace_s=10):
+def stop_children(grace_s=600):
     """SIGTERM every running child's process group, SIGKILL what still runs after grace_s, and
-    wait for them: a stopped launcher leaves no training behind to hold a run folder."""
+    wait for them: a stopped launcher leaves no training behind to hold a run folder. A training
+    takes SIGTERM as a preemption notice (train.py): it finishes its step and saves it, which for
+    a large model takes minutes, so the grace is long; other children end at once."""
     STOPPING.set()
     with CHILDREN_LOCK:
         running = list(CHILDREN)

@@ -32,6 +32,7 @@ import resource
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -163,7 +164,32 @@ CHECKS = [
 ]
 
 
+# SIGTERM and SIGUSR1 are a scheduler's notice that it will kill the job (SLURM's scancel and
+# --signal, Kubernetes, spot instances): the run finishes its step, saves it, and exits with
+# PREEMPTED_STATUS (sysexits' EX_TEMPFAIL, "try again later"), which a job script requeues on.
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTED_STATUS = 75
+
+
+@contextmanager
+def preemption_notices():
+    """The list a preemption signal is appended to while the run trains: only marked, so that the step and
+    the save in progress go on (a second signal during the save changes nothing)."""
+    notices = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: notices.append(signum)) for sig in PREEMPT_SIGNALS}
+    try:
+        yield notices
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def train(cfg):
+    with preemption_notices() as preempted:
+        return train_run(cfg, preempted)
+
+
+def train_run(cfg, preempted):
     rank, world, device = setup_distributed()
     torch.manual_seed(cfg["seed"])
     accum = grad_accum(cfg, world)
@@ -222,13 +248,16 @@ def train(cfg):
                         aux_sum += net.aux_loss / (accum * world)
                 dist.all_reduce(loss_sum)
                 dist.all_reduce(aux_sum)
+                # A preemption notice on any rank stops every rank after this same step.
+                stop = torch.tensor(float(bool(preempted)), device=device)
+                dist.all_reduce(stop, op=dist.ReduceOp.MAX)
                 grads = [p.grad for p in net.parameters() if p.grad is not None]
                 norm = torch.nn.utils.get_total_norm(grads)
                 if isinstance(norm, DTensor):
                     norm = norm.full_tensor()  # sum of the shards' squares over ranks: the global norm
                 if cfg["grad_clip"] > 0:
                     torch.nn.utils.clip_grads_with_norm_(grads, cfg["grad_clip"], norm)
-                loss_val, norm_val = torch.stack([loss_sum, norm.to(loss_sum)]).tolist()  # one sync per step
+                loss_val, norm_val, stop_val = torch.stack([loss_sum, norm.to(loss_sum), stop]).tolist()  # one sync
                 if not (math.isfinite(loss_val) and math.isfinite(norm_val)):
                     raise FloatingPointError(f"non-finite loss {loss_val} / grad norm {norm_val} at step {step + 1}; "
                                              f"the update was not applied. {diverged_hint(last_ckpt)}")
@@ -246,6 +275,12 @@ def train(cfg):
                     metrics.record(bench(net, step))  # on every rank: FSDP's all-gathers are collective
                 if step % cfg["ckpt_interval"] == 0 or step == cfg["max_steps"] or step in cfg["keep_steps"]:
                     last_ckpt = save_and_record(cfg, step, net, opt, loader, meta, last_ckpt, metrics)
+                if stop_val and step < cfg["max_steps"]:
+                    if not last_ckpt or os.path.basename(last_ckpt) != f"ckpt_{step:08d}":
+                        last_ckpt = save_and_record(cfg, step, net, opt, loader, meta, last_ckpt, metrics)
+                    raise Preempted(f"{signal.Signals(preempted[0]).name} at step {step}/{cfg['max_steps']}: saved "
+                                    f"{last_ckpt}; {resume_command(cfg)} resumes from it (exit status "
+                                    f"{PREEMPTED_STATUS}: requeue the job)")
     except KeyboardInterrupt:
         raise Interrupted(interrupted_line(cfg, step)) from None
     return step
@@ -766,14 +801,21 @@ class Interrupted(Exception):
     """Ctrl-C (SIGINT): one line saying where the run was and where it resumes (interrupted_line)."""
 
 
+class Preempted(Exception):
+    """SIGTERM or SIGUSR1 during training: the step was saved; one line names it (PREEMPT_SIGNALS)."""
+
+
+def resume_command(cfg):
+    return "the same command" if cfg["resume"] else "the same command with --resume=True"
+
+
 def interrupted_line(cfg, step):
     """Ctrl-C's one line: the step the run reached and where a rerun of the same command resumes."""
     where = "before the first step" if step is None else f"at step {step}/{cfg['max_steps']}"
     done = complete_checkpoints(cfg["out_dir"]) if os.path.isdir(cfg["out_dir"]) else []
     if not done:
         return f"interrupted {where}; no checkpoint was saved yet: the same command starts over"
-    again = "the same command" if cfg["resume"] else "the same command with --resume=True"
-    return f"interrupted {where}; {again} resumes from {done[-1]}"
+    return f"interrupted {where}; {resume_command(cfg)} resumes from {done[-1]}"
 
 
 def error_line(e):
@@ -796,10 +838,10 @@ if __name__ == "__main__":
         status = str(e)
     except OSError as e:
         status = error_line(e)
-    except Interrupted as e:
+    except (Interrupted, Preempted) as e:
         if os.environ.get("RANK", "0") == "0":  # once, not once per rank
             print(e, file=sys.stderr)
-        status = 128 + signal.SIGINT
+        status = 128 + signal.SIGINT if isinstance(e, Interrupted) else PREEMPTED_STATUS
     finally:
         # The outcome is decided: a Ctrl-C from here on is ignored. (At exit Python resets its own handlers to
         # the default, and a Ctrl-C then would kill the process silently, status -2; an ignored signal stays so.)

@@ -2,6 +2,7 @@
 folders, a second call runs nothing, a killed point resumes to the uninterrupted result), and
 `eval.py report`'s aggregation against hand-computed means, stds and t-intervals."""
 import argparse
+import glob
 import hashlib
 import importlib.util
 import json
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import checkpoint
 import eval as ev
 import report
 import sweep
@@ -262,12 +264,19 @@ def test_a_stopped_or_killed_sweep_leaves_no_training_behind(data_dir, tmp_path,
     train = None
     try:
         train = started_train(proc.pid)
+        if sig == signal.SIGTERM:  # once it trains: the notice passed on saves the training's step
+            while not glob.glob(str(tmp_path / "out" / "sweeps" / "stopped" / "*" / "metrics.jsonl")):
+                assert proc.poll() is None
+                time.sleep(0.1)
         proc.send_signal(sig)  # to the sweep alone, as `kill PID` sends it
         said, _ = proc.communicate(timeout=120)
         if sig != signal.SIGKILL:  # handled: the training is stopped and reaped before the sweep exits
             assert proc.returncode == 128 + sig and said.splitlines()[-1] == (
                 f"sweep: stopped by {sig.name}, and its running points with it; the same command resumes the sweep"), said
             assert not alive(train)
+        if sig == signal.SIGTERM:
+            point = glob.glob(str(tmp_path / "out" / "sweeps" / "stopped" / "*"))[0]
+            assert checkpoint.complete_checkpoints(point), "the training's step was not saved"
         deadline = time.time() + 60  # SIGKILL: no handler runs; the training gets its parent-death signal
         while alive(train) and time.time() < deadline:
             time.sleep(0.1)

@@ -1,0 +1,131 @@
+"""A run read and stopped while it trains: evals and exports beside a training that saves and prunes a
+checkpoint every step, and a scheduler's preemption notice (SIGTERM, SIGUSR1) saving the step."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import checkpoint
+import eval as ev
+import train
+from conftest import failure_text, launch_env
+from test_train import ROOT, TINY, command, data_dir, rows, run_train  # noqa: F401 (data_dir: a fixture)
+
+EVERY_STEP = [*TINY, "--max_steps=100000", "--ckpt_interval=1", "--keep_last=2", "--eval_interval=100000",
+              "--log_interval=100000"]
+
+
+def start(args):
+    return subprocess.Popen(command(args, 1), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=launch_env())
+
+
+def wait_for(path, proc, timeout=120):
+    deadline = time.time() + timeout
+    while not os.path.exists(path):
+        assert proc.poll() is None and time.time() < deadline, failure_text(proc)
+        time.sleep(0.02)
+
+
+def stop(proc, sig=signal.SIGTERM):
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, out, err
+
+
+@pytest.mark.slow
+def test_ten_evals_and_three_exports_beside_a_training_that_prunes_every_step(data_dir, tmp_path):
+    run = str(tmp_path / "run")
+    training = start([*EVERY_STEP, f"--data_dir={data_dir}", f"--out_dir={run}"])
+    wait_for(os.path.join(run, "ckpt_00000003"), training)
+    evals = [subprocess.Popen([sys.executable, "eval.py", "loss", run, "--data", data_dir, "--tokens", "2048",
+                               "--json-out", str(tmp_path / f"e{i}.json")], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=launch_env()) for i in range(10)]
+    exports = [subprocess.Popen([sys.executable, "train.py", "export", run, str(tmp_path / f"x{i}.pt")], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
+               for i in range(3)]
+    for proc in evals + exports:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0 and "Traceback" not in err and "damaged" not in err, out + err
+    assert training.poll() is None, "the training ended before the readers did: no race was tested"
+    code, _, err = stop(training)
+    assert code == train.PREEMPTED_STATUS, err
+    results = [json.load(open(tmp_path / f"e{i}.json")) for i in range(10)]
+    blobs = [torch.load(tmp_path / f"x{i}.pt", weights_only=True) for i in range(3)]
+    steps = sorted({r["summary"]["step"] for r in results} | {b["step"] for b in blobs})
+    # they read a run that went on and pruned what they had read
+    assert steps[-1] > 3 and not os.path.exists(os.path.join(run, f"ckpt_{steps[0]:08d}"))
+    # The same training again, keeping every checkpoint the readers read: each number is the one that
+    # checkpoint gives alone (one machine, one thread: the runs are bitwise equal).
+    ref = str(tmp_path / "ref")
+    again = start([*EVERY_STEP, f"--data_dir={data_dir}", f"--out_dir={ref}", f"--keep_steps={steps}"])
+    wait_for(os.path.join(ref, f"ckpt_{steps[-1] + 1:08d}"), again)
+    stop(again)
+    for r in results:
+        alone = ev.main(["loss", os.path.join(ref, f"ckpt_{r['summary']['step']:08d}"), "--data", data_dir,
+                         "--tokens", "2048"])
+        assert alone["summary"]["loss"] == r["summary"]["loss"]
+    for blob in blobs:
+        model, _ = checkpoint.load_model(os.path.join(ref, f"ckpt_{blob['step']:08d}"))
+        assert all(torch.equal(blob["model"][k], v) for k, v in model.state_dict().items())
+
+
+def test_a_reader_holds_its_checkpoint_and_the_pruner_keeps_it_for_later(tmp_path, monkeypatch):
+    # The lock itself, in-process: a held checkpoint is not pruned (the pruner does not wait), a free one
+    # is; once its reader is done it goes at the next prune. A checkpoint pruned before it was held is
+    # "pruned", in one line, not damaged.
+    held_one, free_one = tmp_path / "ckpt_00000001", tmp_path / "ckpt_00000002"
+    for folder in (held_one, free_one):
+        folder.mkdir()
+        (folder / "meta.json").write_text("{}")
+    with checkpoint.held_whole(str(held_one)) as whole:
+        assert whole
+        t0 = time.time()
+        assert checkpoint.prune_checkpoint(str(held_one)) is False and time.time() - t0 < 1
+        assert checkpoint.prune_checkpoint(str(free_one)) is True and not free_one.exists()
+        assert held_one.exists()
+    assert checkpoint.prune_checkpoint(str(held_one)) is True and not held_one.exists()
+    with checkpoint.held_whole(str(held_one)) as whole:
+        assert not whole
+    # Found (find_checkpoints) just before the pruner renamed it away: the reader says so, not "damaged".
+    monkeypatch.setattr(checkpoint, "find_checkpoints", lambda path: [path])
+    with pytest.raises(ValueError, match=r"ckpt_00000001 was pruned by its training \(keep_last\) before it could "
+                                         r"be read, not damaged: pass another, or the run folder"):
+        checkpoint.load_model(str(held_one))
+
+
+def logged_step(out, step, proc):
+    """Wait until the run's metrics.jsonl has reached step."""
+    path, deadline = os.path.join(out, "metrics.jsonl"), time.time() + 120
+    while not (os.path.exists(path) and any(json.loads(line).get("step", 0) >= step for line in open(path))):
+        assert proc.poll() is None and time.time() < deadline, failure_text(proc)
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_step_and_the_resume_is_bitwise(data_dir, tmp_path):
+    args = [*TINY, f"--data_dir={data_dir}", "--max_steps=120", "--ckpt_interval=1000", "--eval_interval=30"]
+    ref = str(tmp_path / "ref")
+    run_train([*args, f"--out_dir={ref}"])
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        out = str(tmp_path / sig.name)
+        proc = start([*args, f"--out_dir={out}"])
+        logged_step(out, 20, proc)
+        proc.send_signal(sig)
+        time.sleep(0.05)
+        code, _, err = stop(proc, sig)  # a second notice, likely during the save: it changes nothing
+        assert code == train.PREEMPTED_STATUS == 75, err
+        saved = checkpoint.complete_checkpoints(out)
+        assert len(saved) == 1 and not saved[0].endswith("ckpt_00000120")
+        assert err.strip().splitlines() == [
+            f"{sig.name} at step {int(saved[0][-8:])}/120: saved {saved[0]}; the same command resumes from it "
+            f"(exit status 75: requeue the job)"], err
+        resumed = run_train([*args, f"--out_dir={out}"])
+        assert f"resumed from {saved[0]}" in resumed.stdout
+        for field in ("loss", "grad_norm", "val_loss"):
+            assert rows(out, field) == rows(ref, field), field
