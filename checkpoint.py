@@ -353,6 +353,25 @@ def model_config_problem(model_config):
     return None
 
 
+def data_position_problem(meta):
+    """For a checkpoint without META_SUM: what its data position says against its step, else None. From the
+    run's start, `step` full batches of global_batch windows leave the loader (data.TokenLoader) at one
+    epoch and window, so an edited position (the batches a resume would read) shows. Unknowable, so
+    unchecked, once a resume changed the batch, the sequence length or the data."""
+    state, step, batch = meta.get("data_state"), meta["step"], meta["config"].get("global_batch")
+    changed = {k for entry in meta.get("resume_changes", []) for k in entry["changes"]}
+    if not state or type(batch) is not int or batch < 1 or changed & {"global_batch", "seq_len", "data"}:
+        return None
+    per_epoch = state["n_windows"] // batch
+    if per_epoch < 1:
+        return None
+    epoch, pos = ((step - 1) // per_epoch, ((step - 1) % per_epoch + 1) * batch) if step else (0, 0)
+    if (state["epoch"], state["pos"]) == (epoch, pos):
+        return None
+    return (f"meta.json puts the data at epoch {state['epoch']}, window {state['pos']}, where {step} steps of "
+            f"{batch} windows end at epoch {epoch}, window {pos}: edited after it was written")
+
+
 def read_meta(path):
     """A checkpoint folder's meta.json, read once and checked (against META_SUM where it has one, then
     its keys); DamagedCheckpoint says what is wrong."""
@@ -747,6 +766,10 @@ def resume_run(cfg, done, net, opt, loader, mcfg, data_fp, log):
         return ok.item()
 
     def try_resume(path, meta, why):
+        if why is None and not os.path.lexists(os.path.join(path, META_SUM)):
+            log(f"{path} has no {META_SUM} (deleted, or written before checkpoints had one): its meta.json is "
+                f"checked only against its step")
+            why = data_position_problem(meta)
         if not agreed(why):
             why = why or "another rank could not read its meta.json"
         else:

@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import socket
 import stat
 import tempfile
@@ -122,6 +123,45 @@ def open_nofollow(path, flags=os.O_RDWR | os.O_CREAT):
     return open_regular(path, flags, follow=False)
 
 
+def lock_pids(fd):
+    """The pids the kernel's lock table (Linux's /proc/locks) shows holding a lock on fd's file, or None
+    when it cannot tell (no /proc/locks; a holder on another host of a network filesystem is not listed)."""
+    st = os.fstat(fd)
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            table = f.read().splitlines()
+    except OSError:
+        return None
+    # "1: FLOCK  ADVISORY  WRITE 6496 fe:00:2146371 0 EOF"; a waiter's line has "->" after the number
+    rows = [line.split() for line in table if "->" not in line.split()[:2]]
+    pids = {int(row[4]) for row in rows if len(row) > 5 and row[5] == key and row[4].lstrip("-").isdigit()}
+    return {pid for pid in pids if pid > 0} or None  # 0 or -1: a pid outside this pid namespace
+
+
+def live_holder(written, pids):
+    """Who holds a lock, for the error line: the line its file holds (who, pid, host, since) when the kernel
+    shows that pid holding it, else the pid the kernel shows with its command line; never a pid that the
+    file names but the kernel does not (a run that has exited, and whoever holds the lock now left the
+    file as it was). Without the kernel's word: the file's line when it names another host (its process
+    cannot be looked up from here), else "another process"."""
+    named = re.search(r"\bpid (\d+) on host (\S+)", written)
+    here = socket.gethostname()
+    if pids:
+        if named and int(named.group(1)) in pids and named.group(2) == here:
+            return written
+        pid = min(pids)
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            cmdline = ""
+        return f"pid {pid}" + (f" ({cmdline[:100]})" if cmdline else "")
+    if named and named.group(2) != here:
+        return f"{written} (as its lock file says: a process on another host, not checked from here)"
+    return "another process"
+
+
 def lock_holder(fd, path, who):
     """An exclusive OS lock on the open file fd (path: its name), taken without waiting and released by
     the kernel when the process dies (no stale lock after a crash or SIGKILL). Returns None once taken,
@@ -130,9 +170,10 @@ def lock_holder(fd, path, who):
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.read(fd, 512).decode(errors="replace").strip() or "another process"
+        written = os.read(fd, 512).decode(errors="replace").strip()
+        holders = lock_pids(fd)
         os.close(fd)
-        return holder
+        return live_holder(written, holders)
     with naming(path):
         os.ftruncate(fd, 0)  # the holder before was killed: its line stayed
         os.write(fd, f"{who} pid {os.getpid()} on host {socket.gethostname()} "

@@ -110,6 +110,46 @@ def test_resume_falls_back_from_a_crafted_metadata(run6, data_dir, tmp_path):  #
     assert rows(run, "loss") == rows(run6, "loss")  # step 6 redone from 5: the process was sane throughout
 
 
+@pytest.mark.slow
+def test_a_checkpoint_without_its_sidecar_is_named_and_an_edited_data_position_refused(run6, data_dir, tmp_path):  # noqa: F811
+    # Whole, its sidecar deleted (or from before sidecars): resumed, and said so.
+    run = copy_run(run6, tmp_path)
+    os.remove(os.path.join(run, NEWEST, checkpoint.META_SUM))
+    p = run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
+    assert f"{os.path.join(run, NEWEST)} has no meta.json.sha256 (deleted, or written before checkpoints had one): " \
+        "its meta.json is checked only against its step" in p.stdout
+    assert "resumed from " + os.path.join(run, NEWEST) in p.stdout
+    # Its data position moved by one window and the sidecar gone: the resume would read other batches, silently.
+    run = copy_run(run6, tmp_path, "edited")
+    meta = json.load(open(os.path.join(run, NEWEST, "meta.json")))
+    meta["data_state"]["pos"] += 1
+    with open(os.path.join(run, NEWEST, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    os.remove(os.path.join(run, NEWEST, checkpoint.META_SUM))
+    p = run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
+    assert re.search(rf"{NEWEST} could not be resumed \(meta.json puts the data at epoch \d+, window \d+, where 6 steps "
+                     r"of 4 windows end at epoch \d+, window \d+: edited after it was written\)", p.stdout), p.stdout
+    assert "resumed from " + os.path.join(run, PREVIOUS) in p.stdout
+    assert rows(run, "loss") == rows(run6, "loss")  # step 6 redone from 5, on the batches it read the first time
+
+
+def test_the_data_position_check_follows_the_loader(data_dir):  # noqa: F811
+    # data.TokenLoader's own positions, step by step over several epochs (an epoch ends where the next
+    # batch would not fit), against the check; one window off is caught at every step.
+    import data as D
+    loader = D.TokenLoader(data_dir, "train", batch_size=96, seq_len=32)
+    assert loader.n_windows % 96  # a remainder dropped at each epoch's end
+    for step in range(3 * loader.n_windows // 96 + 2):
+        meta = {"step": step, "config": {"global_batch": 96}, "data_state": loader.state_dict()}
+        assert checkpoint.data_position_problem(meta) is None, step
+        moved = {**meta, "data_state": {**meta["data_state"], "pos": loader.pos + 1}}
+        assert "edited after it was written" in checkpoint.data_position_problem(moved)
+        loader.next_batch()
+    # After a resume that changed the batch the position depends on that history: not checked.
+    changed = {**moved, "resume_changes": [{"step": 3, "changes": {"global_batch": {"was": 96, "now": 48}}}]}
+    assert checkpoint.data_position_problem(changed) is None
+
+
 # ----------------------------------------------------------------------------- files outside the folder
 def point_storage_at(ckpt, name):
     index = checkpoint.CheckpointReader(ckpt).read_metadata()

@@ -91,3 +91,35 @@ def test_json_nested_past_the_parser_is_a_value_error(tmp_path):
         else:
             raise AssertionError("a 100k-deep JSON text was parsed")
     assert parse_json(b'{"a": [1, 2.5]}') == {"a": [1, 2.5]}
+
+
+def test_the_lock_holder_named_is_the_live_one(tmp_path, monkeypatch):
+    # train.lock as an exited run left it, now held by another process through a read-only descriptor: the
+    # kernel's holder is named, not the dead pid the file still names.
+    import socket
+    import subprocess
+    import sys
+
+    import fileio
+    path = tmp_path / "train.lock"
+    path.write_text(f"train.py pid 999999 on host {socket.gethostname()} (since 2026-01-01 00:00:00)\n")
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); "
+                               "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()", str(path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        said = fileio.lock_holder(os.open(path, os.O_RDWR), str(path), "train.py")
+        assert said.startswith(f"pid {holder.pid} (") and "fcntl" in said and "999999" not in said
+        # The kernel shows the pid the file names: the file's line, which says more (host, since).
+        path.write_text(f"train.py pid {holder.pid} on host {socket.gethostname()} (since now)\n")
+        assert fileio.lock_holder(os.open(path, os.O_RDWR), str(path), "train.py") == path.read_text().strip()
+        # No word from the kernel (another host's holder on a network filesystem): never the file's pid as
+        # this host's, unless the file names another host, which is said.
+        monkeypatch.setattr(fileio, "lock_pids", lambda fd: None)
+        assert fileio.lock_holder(os.open(path, os.O_RDWR), str(path), "train.py") == "another process"
+        path.write_text("train.py pid 12 on host elsewhere (since now)\n")
+        assert fileio.lock_holder(os.open(path, os.O_RDWR), str(path), "train.py") == (
+            "train.py pid 12 on host elsewhere (since now) (as its lock file says: a process on another host, not "
+            "checked from here)")
+    finally:
+        holder.communicate("")
