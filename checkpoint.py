@@ -1172,7 +1172,7 @@ def check_export_parent(out, make=False):
     """Raise unless out's folder exists or can be made (fileio.check_outputs: no file, link to nothing or loop
     on the way). make=True makes the missing folders (as transformers' save_pretrained does), right before the
     export is written, so that a refused export leaves no new folders behind."""
-    parent = os.path.dirname(os.path.abspath(out))
+    parent = os.path.dirname(out) or "."  # as given: check_outputs reads its ".." as the kernel will
     try:
         check_outputs([(parent, "folder")], "choose another path")
     except ValueError as e:

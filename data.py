@@ -157,8 +157,11 @@ class Shard:
 
 def read_shard(path):
     fix = "re-run prepare_data.py for this folder"
-    if not os.path.isfile(path):
+    kind = path_kind(path)
+    if kind is None:
         raise FileNotFoundError(f"missing shard {path}; {fix}")
+    if kind != "a file":  # a FIFO would block the read, a device (a link to /dev/zero) read forever
+        raise ValueError(f"shard {path} is {kind}, not a token shard file; {fix}")
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         raw = f.read(HEADER_BYTES)
@@ -252,9 +255,13 @@ def read_meta(path):
 
 def load_meta(data_dir):
     path = os.path.join(data_dir, "meta.json")
-    if not os.path.isfile(path):
+    kind = path_kind(path)
+    if kind is None:
         raise FileNotFoundError(f"{path} not found: {data_dir} is not a prepared data folder or its "
                                 f"preparation did not finish; run prepare_data.py")
+    if kind != "a file":
+        raise ValueError(f"{path} is {kind}, not a data folder's meta.json; re-run prepare_data.py for {data_dir} "
+                         f"(or pass another data folder)")
     meta, problem = read_meta(path)
     if problem:
         raise ValueError(f"{path} is not a data folder's meta.json: {problem}; re-run prepare_data.py "

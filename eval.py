@@ -638,6 +638,15 @@ def finite_at_least(minimum, maximum=math.inf):
     return parse
 
 
+def seed_value(text):
+    """--seed as torch's and numpy's generators take it, refused when the command line is read (not after the
+    model has loaded): 0 <= seed < 2**64."""
+    value = at_least(0)(text)
+    if value >= 2**64:
+        raise argparse.ArgumentTypeError(f"must be < 2**64 (got {text})")
+    return value
+
+
 def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -651,7 +660,7 @@ def build_parser():
         if runs_model:
             p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                            help="torch device of the model (default: cuda when there is one, else cpu)")
-            p.add_argument("--seed", type=int, default=0, help="data order, init and sampling")
+            p.add_argument("--seed", type=seed_value, default=0, help="data order, init and sampling")
         if output:
             p.add_argument("--json-out", help="write the result as JSON here")
         if plot:
@@ -753,7 +762,12 @@ def main(argv=None):
     torch.set_num_threads(int(os.environ.get("EVAL_THREADS", "1")))
     args = build_parser().parse_args(argv)
     try:
-        return run_command(args)
+        try:
+            return run_command(args)
+        except Exception:
+            if interrupt.received():  # an error the Ctrl-C caused (interrupt.received): the interruption it is
+                raise KeyboardInterrupt from None
+            raise
     # Library functions raise; here bad input becomes one line with the fix, no traceback.
     except (ValueError, OSError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -791,4 +805,9 @@ def run_command(args):
 
 if __name__ == "__main__":
     interrupt.started()  # from here Ctrl-C is KeyboardInterrupt, which main turns into its line
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # after main's own handling ended: its result was written, the outcome decided
+        pass
+    finally:
+        interrupt.decided()

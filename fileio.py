@@ -276,6 +276,13 @@ def check_outputs(outputs, fix):
     where a file is written. Met only when written, it would end the run after its work (a launcher's trainings, an
     export's model read), its results unsaved. One line naming the path and `fix`."""
     for path, kind in outputs:
+        parts = path.split(os.sep)
+        for i, part in enumerate(parts):
+            # abspath drops "a/.." without looking, the kernel walks into a: a missing one fails the write
+            # after the checks passed and the folders after ".." were made.
+            if part == ".." and i and not os.path.isdir(os.sep.join(parts[:i]) or os.sep):
+                raise ValueError(f"{path} goes through {os.sep.join(parts[:i])}, which is not a folder, before "
+                                 f"'..': {fix}")
         path = os.path.abspath(path)
         for at, want in [(folder, "folder") for folder in folders_above(path)] + [(path, kind)]:
             try:

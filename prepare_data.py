@@ -690,12 +690,37 @@ def init_worker(tokenizer, tokenizer_dir, tie_to_parent):
     # Ctrl-C reaches the whole process group: the main process stops the pool and says one line;
     # workers that took it too would each print a traceback
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal's: likewise the main process's to handle
     # SIGTERM (the parent's death, Pool.terminate) must end the worker, not run a handler inherited from a
     # program that imported this module; set before the request, which may send it at once
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if tie_to_parent is not None:
         tie_to_parent()
+    sys.stderr = QuietOrphan(sys.stderr, os.getppid())
     _worker_enc = get_tokenizer(tokenizer, tokenizer_dir)
+
+
+class QuietOrphan:
+    """A pool worker's stderr, silent once its parent is gone: a SIGKILLed run's busy workers would each
+    print multiprocessing's traceback for the result they can no longer send (a BrokenPipeError: the pipe
+    is the parent's), after the run itself ended without a word. Such a pipe breaks before the parent's
+    death reparents the worker, so the error at hand counts as much as the parent's pid."""
+
+    def __init__(self, stream, parent):
+        self.stream, self.parent = stream, parent
+
+    def orphaned(self):
+        return os.getppid() != self.parent or isinstance(sys.exc_info()[1], BrokenPipeError)
+
+    def write(self, text):
+        return len(text) if self.orphaned() else self.stream.write(text)
+
+    def flush(self):
+        if not self.orphaned():
+            self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
 
 def encode_documents(texts):
@@ -1427,10 +1452,31 @@ def main(argv=None):
         raise Interrupted("interrupted before anything was written") from None  # loading the tokenizer, ...
 
 
+def stopped_by(signum, frame):
+    """SIGTERM (kill PID) and SIGHUP (a closed terminal) stop a build as Ctrl-C does: what is written stays
+    whole, one line says so, and the shell's 128 + the signal's number."""
+    STOPPED_BY.append(signum)
+    for again in (signal.SIGTERM, signal.SIGHUP):  # a second one must not cut the clean-up short
+        signal.signal(again, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+STOPPED_BY = []
+
+
+def cli(argv=None):
+    """main as the command line runs it: Ctrl-C, SIGTERM or SIGHUP is one line (no traceback) and the
+    shell's 128 + the signal's number."""
+    for stop_signal in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop_signal, stopped_by)
+    try:
+        main(argv)
+    except Interrupted as e:
+        signum = STOPPED_BY[0] if STOPPED_BY else signal.SIGINT
+        print(e if signum == signal.SIGINT else f"{signal.Signals(signum).name}: {e}", file=sys.stderr)
+        sys.exit(128 + signum)
+
+
 if __name__ == "__main__":
     interrupt.started()  # from here Ctrl-C is KeyboardInterrupt, which main turns into its line
-    try:
-        main()
-    except Interrupted as e:  # Ctrl-C: one line (no traceback), and the shell's code for SIGINT
-        print(e, file=sys.stderr)
-        sys.exit(128 + signal.SIGINT)
+    cli()

@@ -170,6 +170,22 @@ def test_a_broken_meta_json_is_one_line_naming_it(data_folder, edit, problem):
     assert message.endswith(f"--force rebuilds {data_folder} (dropping that file), or pass another --out")
 
 
+@pytest.mark.parametrize("what", ["a FIFO", "a device"])
+def test_a_shard_or_meta_json_of_another_kind_is_named_as_it_is(data_folder, what):
+    # Was "missing shard" / "not found": the file is there, and is not one (a FIFO would block the read,
+    # a link to /dev/zero read forever).
+    def replace(path):
+        os.remove(path)
+        os.mkfifo(path) if what == "a FIFO" else os.symlink("/dev/zero", path)
+    shard = data_folder / json.loads((data_folder / "meta.json").read_text())["splits"]["train"]["shards"][0]
+    replace(shard)
+    with pytest.raises(ValueError, match=rf"^shard {shard} is {what}, not a token shard file; re-run prepare_data.py"):
+        D.TokenLoader(str(data_folder), "train", 1, 8)
+    replace(data_folder / "meta.json")
+    with pytest.raises(ValueError, match=rf"^{data_folder / 'meta.json'} is {what}, not a data folder's meta.json"):
+        D.load_meta(str(data_folder))
+
+
 def test_train_and_eval_read_a_broken_meta_json_in_one_line(data_folder, tmp_path):
     import eval as E
     with_meta(data_folder, "[]")

@@ -129,3 +129,26 @@ def test_sigterm_saves_the_step_and_the_resume_is_bitwise(data_dir, tmp_path):
         assert f"resumed from {saved[0]}" in resumed.stdout
         for field in ("loss", "grad_norm", "val_loss"):
             assert rows(out, field) == rows(ref, field), field
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_any_point_of_an_eval_is_one_line(data_dir, tmp_path):
+    # Startup, loading, compiling the mask function, the batches, the end: an error that a Ctrl-C caused
+    # inside a compiled function or a C++ op (torch's INTERNAL ASSERT) is the interrupted line too.
+    run = str(tmp_path / "run")
+    run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={run}", "--max_steps=3"])
+    lines = {"eval.py: interrupted while starting, before anything was written; rerun the same command",
+             "interrupted: eval.py loss stopped before it finished; nothing is half-written, run the same command "
+             "again for its results"}
+    outcomes = []
+    for delay in (0.2, 0.6, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.5, 6.0):
+        proc = subprocess.Popen([sys.executable, "eval.py", "loss", run, "--data", data_dir, "--tokens", "30000"],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        said = [line for line in err.splitlines() if not line.startswith("loss:")]  # the progress lines
+        assert (proc.returncode, said) == (0, []) or (proc.returncode == 130 and len(said) == 1 and
+                                                     said[0] in lines), (delay, err)
+        outcomes.append(said[0][:20] if said else "finished")
+    assert len(set(outcomes)) > 1, outcomes  # the Ctrl-Cs met it at different points

@@ -27,7 +27,7 @@ def busy(texts):
     time.sleep(600)
 
 P.encode_documents = busy
-P.main(sys.argv[2:])
+P.cli(sys.argv[2:])
 """
 
 
@@ -85,6 +85,63 @@ def test_a_killed_run_leaves_no_worker_and_the_rerun_builds_the_folder(tmp_path)
     clean = {name: (tmp_path / "clean" / name).read_bytes() for name in os.listdir(tmp_path / "clean")}
     assert sorted(built) == sorted(clean) == ["meta.json", "train_000000.bin", "val_000000.bin"]
     assert {k: v for k, v in built.items() if k != "meta.json"} == {k: v for k, v in clean.items() if k != "meta.json"}
+
+
+# Workers that outlive their parent's death long enough to send their result: SIGTERM (the parent-death
+# signal) ignored, the task returning once the parent is gone.
+ORPHANS = """
+import os, signal, sys, time
+import prepare_data as P
+
+init = P.init_worker
+
+def stubborn(*args):
+    init(*args)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+def busy(texts):
+    parent = os.getppid()
+    open(os.path.join(sys.argv[1], str(os.getpid())), "w").close()
+    while os.getppid() == parent:
+        time.sleep(0.01)
+    return [[1, 2, 3]] * len(texts)
+
+P.init_worker, P.encode_documents = stubborn, busy
+P.cli(sys.argv[2:])
+"""
+
+
+def busy_run(script, tmp_path):
+    """prepare_data.py (script: BUSY or ORPHANS) with two workers, each holding a task: (process, busy folder)."""
+    src = write_jsonl(tmp_path / "a.jsonl", random_docs(200, "abcdefgh ", seed=30, lo=2000, hi=3000))
+    busy_dir = tmp_path / "busy"
+    busy_dir.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", script, str(busy_dir), "text", "--workers", "2", "--source",
+                             f"a={src}", "--out", str(tmp_path / "out")], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    assert wait_for(lambda: len(os.listdir(busy_dir)) == 2 or proc.poll() is not None, 60), "no busy workers"
+    assert proc.poll() is None, proc.stderr.read()
+    return proc, busy_dir
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal and /proc are Linux's")
+def test_workers_dying_after_their_run_was_killed_print_nothing(tmp_path):
+    proc, busy_dir = busy_run(ORPHANS, tmp_path)
+    workers = {pid: start_time(pid) for pid in map(int, os.listdir(busy_dir))}
+    proc.kill()
+    # stderr ends once the workers, which share it, have exited: after sending into the dead run's pipe
+    said = proc.stderr.read()
+    assert "Traceback" not in said and "Error" not in said, said
+    assert wait_for(lambda: all(start_time(p) != t for p, t in workers.items()), 10)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_or_sighup_stops_a_build_in_one_line(tmp_path, sig):
+    proc, _ = busy_run(BUSY, tmp_path)
+    proc.send_signal(sig)
+    err = proc.communicate(timeout=60)[1]
+    said = [line for line in err.splitlines() if not line.startswith("tokenizing a:")]  # the progress lines
+    assert proc.returncode == 128 + sig and len(said) == 1 and said[0].startswith(f"{sig.name}: interrupted"), err
+    assert not os.path.exists(tmp_path / "out" / "meta.json")
 
 
 def test_a_huge_recorded_file_size_is_quoted_shortened(tmp_path, monkeypatch, capsys):
