@@ -225,3 +225,21 @@ def test_a_broken_point_record_stops_a_rerun_in_one_line(kind, tmp_path):
     assert message.endswith("delete it and rerun this command to redo the point "
                             "(train.py resumes from its checkpoints)")
     assert tree(tmp_path) == before  # nothing ran, nothing written
+
+
+def test_an_export_path_through_a_missing_folder_and_dotdot_is_refused_first(tmp_path, monkeypatch, capsys):
+    # abspath reads missing/../x as x and the check passed; the kernel walks into missing and the write failed
+    # after the model was read, leaving the folder x made. Now: refused before anything, nothing made.
+    import eval as ev
+    from checkpoint import export
+    monkeypatch.chdir(tmp_path)
+    for out, fmt in (("missing/../x/m.pt", "pt"), ("missing/../x/", "hf")):
+        with pytest.raises(ValueError, match=r"^export: missing/../x goes through missing, which is not a folder, "
+                                             r"before '..': choose another path$"):
+            export("no-such-checkpoint", out) if fmt == "pt" else hf_export.export_hf("no-such-checkpoint", out, None)
+    assert sorted(os.listdir(tmp_path)) == []
+    # eval's --seed is read with the command line, before any model loads (sample took -1)
+    for command in ("loss", "sample"):
+        with pytest.raises(SystemExit) as e:
+            ev.main([command, "no-such-checkpoint", "--seed", "-1"])
+        assert e.value.code == 2 and "argument --seed: must be >= 0 (got -1)" in capsys.readouterr().err
