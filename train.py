@@ -248,8 +248,8 @@ def train_run(cfg, preempted):
                         aux_sum += net.aux_loss / (accum * world)
                 dist.all_reduce(loss_sum)
                 dist.all_reduce(aux_sum)
-                # A preemption notice on any rank stops every rank after this same step.
-                stop = torch.tensor(float(bool(preempted)), device=device)
+                # A preemption notice on any rank stops every rank after this same step (its signal's number).
+                stop = torch.tensor(float(preempted[0] if preempted else 0), device=device)
                 dist.all_reduce(stop, op=dist.ReduceOp.MAX)
                 grads = [p.grad for p in net.parameters() if p.grad is not None]
                 norm = torch.nn.utils.get_total_norm(grads)
@@ -278,7 +278,7 @@ def train_run(cfg, preempted):
                 if stop_val and step < cfg["max_steps"]:
                     if not last_ckpt or os.path.basename(last_ckpt) != f"ckpt_{step:08d}":
                         last_ckpt = save_and_record(cfg, step, net, opt, loader, meta, last_ckpt, metrics)
-                    raise Preempted(f"{signal.Signals(preempted[0]).name} at step {step}/{cfg['max_steps']}: saved "
+                    raise Preempted(f"{signal.Signals(int(stop_val)).name} at step {step}/{cfg['max_steps']}: saved "
                                     f"{last_ckpt}; {resume_command(cfg)} resumes from it (exit status "
                                     f"{PREEMPTED_STATUS}: requeue the job)")
     except KeyboardInterrupt:

@@ -13,7 +13,7 @@ import torch
 import checkpoint
 import eval as ev
 import train
-from conftest import failure_text, launch_env
+from conftest import launch_env
 from test_train import ROOT, TINY, command, data_dir, rows, run_train  # noqa: F401 (data_dir: a fixture)
 
 EVERY_STEP = [*TINY, "--max_steps=100000", "--ckpt_interval=1", "--keep_last=2", "--eval_interval=100000",
@@ -28,7 +28,7 @@ def start(args):
 def wait_for(path, proc, timeout=120):
     deadline = time.time() + timeout
     while not os.path.exists(path):
-        assert proc.poll() is None and time.time() < deadline, failure_text(proc)
+        assert proc.poll() is None and time.time() < deadline, "".join(proc.communicate(timeout=60))[-3000:]
         time.sleep(0.02)
 
 
@@ -103,7 +103,7 @@ def logged_step(out, step, proc):
     """Wait until the run's metrics.jsonl has reached step."""
     path, deadline = os.path.join(out, "metrics.jsonl"), time.time() + 120
     while not (os.path.exists(path) and any(json.loads(line).get("step", 0) >= step for line in open(path))):
-        assert proc.poll() is None and time.time() < deadline, failure_text(proc)
+        assert proc.poll() is None and time.time() < deadline, "".join(proc.communicate(timeout=60))[-3000:]
         time.sleep(0.02)
 
 
@@ -152,3 +152,33 @@ def test_ctrl_c_at_any_point_of_an_eval_is_one_line(data_dir, tmp_path):
                                                      said[0] in lines), (delay, err)
         outcomes.append(said[0][:20] if said else "finished")
     assert len(set(outcomes)) > 1, outcomes  # the Ctrl-Cs met it at different points
+
+
+def workers_of(pid):
+    """{RANK: pid} of a torchrun's worker processes."""
+    found = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        for child in open(f"/proc/{pid}/task/{task}/children").read().split():
+            env = dict(v.split("=", 1) for v in open(f"/proc/{child}/environ").read().split("\0") if "=" in v)
+            if "RANK" in env:
+                found[int(env["RANK"])] = int(child)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="finds torchrun's workers in /proc")
+def test_a_notice_to_one_rank_stops_every_rank_after_the_same_step(data_dir, tmp_path):
+    # SIGUSR1 to rank 1 alone: rank 0 learns it in the step's all-reduce, and both save that step together.
+    out = str(tmp_path / "run")
+    args = [*TINY, "--batch_size=2", f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=100000",
+            "--ckpt_interval=100000", "--eval_interval=100000"]
+    proc = subprocess.Popen(command(args, 2),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
+    logged_step(out, 5, proc)
+    os.kill(workers_of(proc.pid)[1], signal.SIGUSR1)
+    _, err = proc.communicate(timeout=120)
+    saved = checkpoint.complete_checkpoints(out)
+    assert len(saved) == 1 and json.load(open(os.path.join(saved[0], "meta.json")))["world_size"] == 2
+    assert f"SIGUSR1 at step {int(saved[0][-8:])}/100000: saved {saved[0]}; the same command resumes from it" in err
+    # torchrun reports a worker that ended with 75 as failed: its own status is 1
+    assert proc.returncode == 1 and "exitcode  : 75" in err, err[-2000:]
