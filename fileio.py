@@ -276,6 +276,7 @@ def check_outputs(outputs, fix):
     where a file is written. Met only when written, it would end the run after its work (a launcher's trainings, an
     export's model read), its results unsaved. One line naming the path and `fix`."""
     for path, kind in outputs:
+        path = os.fspath(path)
         parts = path.split(os.sep)
         for i, part in enumerate(parts):
             # abspath drops "a/.." without looking, the kernel walks into a: a missing one fails the write

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from report import cpu_name
-from test_train import ROOT, data_dir, rows, run_train  # noqa: F401 (data_dir: the shared byte-level dataset)
+from test_train import data_dir, rows, run_train  # noqa: F401 (data_dir: the shared byte-level dataset)
 
 RECORDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "same_numbers.json")
 SHORT = ["--max_steps=8", "--warmup_steps=2", "--log_interval=1", "--eval_interval=4", "--eval_batches=1",
