@@ -43,7 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from init import gamma_init_
-from model import GPT, MLP, SIZES, Attention, GPTConfig, chunked_cross_entropy, compile_model_, init_model_
+from init import init_model_
+from loss import chunked_cross_entropy
+from model import GPT, MLP, SIZES, Attention, GPTConfig
 from fileio import atomic_write_bytes, check_outputs
 from mfu import datasheet_peak, matmul_rate, synchronize
 from report import cpu_name
@@ -76,7 +78,7 @@ class PlainBlock(nn.Module):
 class PlainGPT(nn.Module):
     """GPT-2 without the parts smallinit changes: learned positions, LayerNorm, GELU."""
 
-    loss_fn = None  # as in model.GPT: compile_model_ gives it the same compiled loss tail
+    loss_fn = None  # as in model.GPT: train.compile_model_ gives it the same compiled loss tail
 
     def __init__(self, vocab_size, n_layer, n_head, d_model, d_ff, seq_len):
         super().__init__()
@@ -217,7 +219,7 @@ class Variant:
     forms: tuple = ()                           # OTHER_FORMS its blocks use instead of model.GPT's
     full_loss: bool = False                     # full_loss instead of GPT.forward's chunked loss
     gamma: float = 1.0
-    compile: bool = False                       # model.compile_model_, as train.py compiles
+    compile: bool = False                       # train.compile_model_, as train.py compiles
     fsdp: bool = False                          # train.build_model's model: FSDP2, fp32 weights
 
     @property
@@ -397,7 +399,7 @@ def build(v, device):
         use_other_forms(model, v.forms)
     model.to(dtype=getattr(torch, v.group.dtype))
     if v.compile:
-        compile_model_(model)
+        train.compile_model_(model)
     return model
 
 
@@ -541,8 +543,8 @@ def _added_peak(tail, vocab, batch, seq_len, d_model, chunk_elements):
     """Bytes of host memory one forward+backward of a 1-layer GPT adds at its peak (this
     process's peak RSS minus its RSS before the step: call in a fresh process). tail: "full"
     (full_loss: fp32 cross-entropy over the whole logits) or "chunked" (GPT.forward's own loss)."""
-    import model as model_module
-    model_module.LOSS_CHUNK_ELEMENTS = chunk_elements or model_module.LOSS_CHUNK_ELEMENTS
+    import loss
+    loss.LOSS_CHUNK_ELEMENTS = chunk_elements or loss.LOSS_CHUNK_ELEMENTS
     torch.manual_seed(0)
     net = GPT(GPTConfig(vocab_size=vocab, n_layer=1, n_head=1, d_model=d_model, max_seq_len=seq_len)).train()
     idx, targets = torch.randint(vocab, (2, batch, seq_len))

@@ -44,7 +44,8 @@ from checkpoint import load_model
 from configurator import at_least
 from data import check_model_vocab, get_tokenizer, load_meta, progress_bar, read_records
 from fileio import atomic_write_bytes, parse_json, path_kind
-from model import GPT, generate
+from generate import generate
+from model import GPT
 
 # ----------------------------------------------------------------------------- a checkpoint's data and tokenizer
 # Here rather than in eval.py, which imports this file for `bench`: imports go one way.

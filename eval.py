@@ -45,7 +45,9 @@ from data import TokenLoader, load_meta, progress_bar
 from downstream import check_data_fits, data_dir_of, temperature, tokenizer_of
 from analysis import capture_attention, cosine_stats, row_cosines, stable_rank, token_logprobs, trace_residual
 from fileio import open_regular, write_json
-from model import GAMMA_MAX, GPT, config_for, document_ids, generate, init_model_
+from generate import generate
+from init import GAMMA_MAX, init_model_
+from model import GPT, config_for, document_ids
 from report import format_table, pyplot, read_result, save_figure
 
 

@@ -2,7 +2,7 @@
 
     config.json, model.safetensors, generation_config.json   the model
     tokenizer.json, tokenizer_config.json                     the run's tokenizer (byte-level or tiktoken)
-    modeling_smallinit.py, model.py, init.py                  only for models Llama cannot express
+    modeling_smallinit.py, model.py, loss.py, generate.py     only for models Llama cannot express
     smallinit_export.json                                     marks the folder as an export, the only kind
                                                               a later export into it replaces
 
@@ -105,10 +105,10 @@ LOADER_PACKAGES = {"torch", "transformers"}
 
 def remote_code():
     """{file name: source} of the remote code: modeling_smallinit.py and the project files it imports,
-    model.py and what model.py imports (init.py). transformers loads the folder as a package and
+    transitively (model.py, generate.py, loss.py). transformers loads the folder as a package and
     copies into it only the files imported relatively, by lines starting `from .FILE import`, so a
-    project import is made relative on the way: left as `from init import`, it would load the repo's
-    init.py where the repo is on the path, and fail everywhere else."""
+    project import is made relative on the way: left as `from loss import`, it would load the repo's
+    loss.py where the repo is on the path, and fail everywhere else."""
     project = {name[:-3] for name in os.listdir(ROOT) if name.endswith(".py")}
     sources, todo = {}, [MODELING_FILE[:-3]]
     while todo:

@@ -399,3 +399,16 @@ def format_report(report):
         action = r["action"] if plain else f"{r['action']}: {r['reason']}"
         lines.append(f"{r['name']:<44} {str(r['shape']):<20} {d_in:>7} {g:>6} {std:>10}  {action}")
     return "\n".join(lines)
+
+
+# The largest γ train.py and eval.py accept: d^-3 is already 4e-6 at d=64, and γ=50 underflows every
+# weight to exactly 0 in fp32 (train.py's `gamma` setting says more).
+GAMMA_MAX = 3.0
+
+
+def init_model_(model, gamma=1.0, seed=0, overrides=None):
+    """gamma_init_ for this repository's GPT (model.py), which then resets its MoE buffers; returns the
+    report. Identical weights for any world size, and valid after building on meta + to_empty()."""
+    report = gamma_init_(model, gamma=gamma, seed=seed, overrides=overrides)
+    model.reset_buffers()
+    return report

@@ -1,10 +1,8 @@
 """
 The smallinit model: a pre-norm decoder (dense or MoE) built to test small initialization.
 
-- RMSNorm (or LayerNorm, the paper's other variant) in fp32 with an explicit eps. Under γ=1 the
-  residual stream starts at RMS d^-1 (≈5e-4 at d=2048, mean square ≈2e-7): eps=1e-5 would
-  dominate the mean square and the norm would stop normalizing (output RMS ≈0.15 instead of 1).
-  The default is 1e-12.
+- RMSNorm (or LayerNorm) in fp32, eps 1e-12: under γ=1 the residual stream starts at RMS d^-1
+  (mean square ≈2e-7 at d=2048), which eps=1e-5 would dominate (output RMS ≈0.15, not 1).
 - RoPE, GQA, SwiGLU (default) or GELU MLP, untied embeddings by default.
 - Gated attention: each head's output is multiplied by sigmoid(X W_g), X being the same normed
   input that feeds q/k/v, before the heads are merged and projected. The gate is query-dependent
@@ -13,11 +11,10 @@ The smallinit model: a pre-norm decoder (dense or MoE) built to test small initi
   per batch), sdpa (dense mask from the same mask_mod: the CPU training path, since Flex has no
   CPU backward), eager (explicit softmax; its probabilities can be captured for analysis) and
   varlen (flash-attention's varlen kernel on the packed documents; CUDA, bf16/fp16 only).
-- MoE: token-choice top-k, dropless, experts stored as stacked (E, d_in, d_out) weights, computed
-  with torch._grouped_mm or a reference loop; balanced by an aux-loss-free selection bias and/or
-  an auxiliary loss.
-- The training loss is chunked (no full logits); compile_model_ compiles the blocks, the final
-  norm and the per-chunk loss in place, for train.py and bench.py.
+- MoE: token-choice top-k, dropless, stacked (E, d_in, d_out) experts on torch._grouped_mm (or a
+  reference loop), balanced by an aux-loss-free selection bias and/or an auxiliary loss.
+- The training loss is chunked (no full logits: loss.py); train.compile_model_ compiles the blocks,
+  the final norm and the per-chunk loss in place. Decoding is in generate.py, the γ-init in init.py.
 """
 
 import functools
@@ -33,7 +30,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-from init import gamma_init_
+from loss import chunked_cross_entropy
 
 MLP_KINDS = ("swiglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")
@@ -74,20 +71,17 @@ class GPTConfig:
     def __post_init__(self):
         resolve_config(self)  # below config_for: fills the 0 defaults, raises ValueError on bad values
 
-    # Zero-valued fields (n_kv_head, d_ff, d_expert) are resolved on construction: make a new
-    # config with GPTConfig(...)/config_for(...) rather than dataclasses.replace, which would
-    # carry the resolved values over.
+    # Zero-valued fields (n_kv_head, d_ff, d_expert) are resolved on construction: make a new config
+    # with GPTConfig(...)/config_for(...), not dataclasses.replace (it carries resolved values over).
 
     @property
     def head_dim(self):
         return self.d_model // self.n_head
 
 
-# Named sizes. The paper's dense scales are counted in total parameters (embeddings included)
-# with the cl100k_base vocabulary (100,277 tokens, padded to 100,352 = 784*128 for fast
-# matmuls): it encodes both Chinese and English, which the paper's bilingual corpus needs, at
-# half the embedding cost of o200k_base, which matters at 0.1B where the two embedding tables
-# are already ~3/4 of the parameters. "tiny"/"small" are byte-level CPU sizes.
+# Named sizes: the paper's dense scales in total parameters with cl100k_base (100,277 tokens padded to
+# 784*128): Chinese and English at half o200k's embedding cost, which at 0.1B is ~3/4 of the parameters.
+# "tiny"/"small" are byte-level CPU sizes.
 CL100K_VOCAB = 100352
 SIZES = {
     "tiny": dict(n_layer=2, n_head=2, d_model=64),
@@ -191,12 +185,9 @@ def make_norm(cfg):
 
 
 def rope_cos_sin(start, seq_len, head_dim, theta, device):
-    """cos/sin of the rotation angles of positions start..start+seq_len-1, (seq_len, head_dim/2),
-    in fp32. GPT.forward computes them once and hands them to every block, not as a buffer (a
-    meta-device build would need it re-initialised, and model.to(bf16) would round it). Computed
-    inside a compiled block instead, inductor re-derives pow/cos/sin for every element of q and k
-    in the backward kernel (~7% of a CPU step); as a block input they are read, not recomputed.
-    train.py's FSDP2 blocks keep their inputs' dtypes, so bf16 mixed precision never rounds them."""
+    """cos/sin of the rotation angles of positions start..start+seq_len-1, (seq_len, head_dim/2), fp32:
+    made once by GPT.forward and passed to every block, not a buffer (meta builds, bf16 casts) nor made
+    inside a block (results/README.md "Notes on the hot paths": ~7% of a compiled CPU step)."""
     inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     positions = torch.arange(start, start + seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
@@ -204,13 +195,8 @@ def rope_cos_sin(start, seq_len, head_dim, theta, device):
 
 
 def apply_rope(x, cos, sin):
-    # Rotates the pairs (i, i + head_dim/2): x is (B, T, H, head_dim), the projection's layout
-    # (on the (B, H, T, head_dim) transpose every elementwise op strides), and cos/sin are
-    # (T, head_dim/2), broadcast over the heads. As x * [cos, cos] + [x2, x1] * [-sin, sin]:
-    # only the (T, head_dim) tables are concatenated, not half-width results, yet the values are
-    # bitwise [x1 cos - x2 sin, x1 sin + x2 cos] (IEEE a + (-b) is a - b, and + commutes,
-    # exactly). The result keeps x's 4-D shape: inductor's CPU flex_attention template reads
-    # q's and k's buffers as (B, H, T, head_dim) and fails on a view of a 5-D one.
+    # Rotates the pairs (i, i + head_dim/2) of x (B, T, H, head_dim) as x * [cos, cos] + [x2, x1] * [-sin, sin],
+    # bitwise [x1 cos - x2 sin, x1 sin + x2 cos] (results/README.md "Notes on the hot paths": why this form).
     xf = x.float()
     swapped = xf.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
     cos, signed_sin = torch.cat([cos, cos], dim=-1)[:, None], torch.cat([-sin, sin], dim=-1)[:, None]
@@ -241,9 +227,8 @@ def document_ids(idx, eot_id):
 
 
 def compiled(fn, x):
-    # On CUDA flex_attention and create_block_mask must run compiled: eager, they materialise
-    # the full B x H x T x T scores and a B x T x T mask. Inside an already compiled block dynamo
-    # traces fn itself (a call into the cached wrapper would only earn a warning).
+    # On CUDA flex_attention and create_block_mask must run compiled (eager, they materialise the
+    # B x H x T x T scores); inside a compiled block dynamo traces fn itself.
     return compile_once(fn) if x.is_cuda and not torch.compiler.is_compiling() else fn
 
 
@@ -272,13 +257,8 @@ def varlen_boundaries(idx, eot_id=None):
         slots = B
     else:
         starts[:, 1:] = idx[:, :-1] == eot_id
-        # The number of documents changes from batch to batch, and the length of cu_seqlens is
-        # an input shape of the compiled blocks: rounded up to a power of two, a run sees at most
-        # log2(B*T) + 1 lengths, so recompiles stay bounded (after the second, automatic dynamic
-        # shapes take over). The count costs one host sync per forward (not per layer). The
-        # padding repeats B*T: empty sequences, which flash-attention's varlen kernels skip (each
-        # thread block exits first thing when its rows lie past its sequence's length: forward
-        # `m_block * kBlockM >= actual_seqlen_q`, backward `n_block * kBlockN >= actual_seqlen_k`).
+        # A power-of-two count of sequences (empty ones, which the kernels skip, repeat B*T) bounds
+        # the recompiles over cu_seqlens' length (results/README.md "Notes on the hot paths").
         count = int(starts.sum())
         slots = min(1 << (count - 1).bit_length(), B * T)
     # size > count: at least one fill value, so the last entry is B*T.
@@ -433,11 +413,8 @@ class MLP(nn.Module):
         return self.w_down(F.gelu(self.w_up(x)))
 
 
-# Rows of each expert's token group are padded to a multiple of this. Grouped GEMM kernels load
-# tiles with 16-byte-aligned TMA copies; in the weight-gradient GEMM the contraction runs over
-# tokens, so each group's row count must be a multiple of 8 for bf16 and of 16 for fp8 (16
-# covers both). Padding rows are zeros; the rows of the output past the last offset are never
-# written by the kernel, and neither kind is ever gathered back.
+# Each expert's rows are padded (zeros, never gathered back) to a multiple of this: the grouped GEMMs'
+# 16-byte TMA tiles need groups of 8 rows in bf16, 16 in fp8 (the weight gradient contracts over rows).
 GROUP_ALIGN = 16
 
 
@@ -551,123 +528,9 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x)), None
 
 
-# ---------------------------------------------------------------------------------------------
-# The training loss, chunked: full (B, T, V) logits cost 2 bytes (bf16) + 4 (the fp32 copy that
-# cross_entropy reads) + 4 + 4 (its softmax and gradient in backward) per logit, ~21 GiB at
-# V=100k and 8 x 2048 tokens, more than the whole 1.5B model's sharded state.
-
-# fp32 values in one chunk of logits (256 MiB); rows per chunk are a multiple of 128 below it.
-LOSS_CHUNK_ELEMENTS = 1 << 26
-
-
-def loss_chunk_rows(vocab_size):
-    # Multiples of 128 rows keep the chunk GEMMs on whole tensor-core tiles.
-    return max(128, LOSS_CHUNK_ELEMENTS // vocab_size // 128 * 128)
-
-
-def chunk_loss(h, weight, targets, acc, want_h, grad_w):
-    """(summed loss, gradient of h or None) of one chunk of rows; adds the chunk's gradient of
-    weight to grad_w unless None. A function of its own so that the chunk's (rows, V) buffers
-    are freed on return, before the next chunk's are made. Softmax by max, exp and sum in place
-    on the one fp32 buffer: logsumexp would allocate a second one."""
-    logits = (h @ weight.T).to(acc)
-    counted = targets != -1
-    index = targets.clamp_min(0)[:, None]  # ignored rows read a valid column, then count 0
-    target_logit = logits.gather(1, index)[:, 0]
-    top = logits.amax(dim=1, keepdim=True)
-    p = logits.sub_(top).exp_()
-    norm = p.sum(dim=1, keepdim=True)
-    lse = (top + norm.log())[:, 0]
-    part = torch.where(counted, lse - target_logit, 0).sum()
-    if not (want_h or grad_w is not None):
-        return part, None
-    # d(sum of losses)/d(logits) = softmax - onehot(target) on counted rows, 0 elsewhere.
-    g = p.div_(norm)
-    g.scatter_add_(1, index, torch.full(index.shape, -1.0, dtype=acc, device=g.device))
-    g = g.mul_(counted[:, None]).to(h.dtype)
-    if grad_w is not None:
-        grad_w += g.T @ h
-    return part, g @ weight if want_h else None
-
-
-class ChunkedCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of logits h @ weight.T against targets (-1: ignored), one chunk of
-    rows at a time, with the arithmetic of F.cross_entropy(logits.float()): logits in the
-    model's dtype, softmax in fp32.
-
-    The gradients of h and weight are computed in forward, while each chunk's softmax is at
-    hand, and saved; backward only scales them. Chunk-wise checkpointing (saving h and the
-    logsumexp, recomputing each chunk's logits in backward) would hold less between forward and
-    backward but repeats the lm_head GEMM: +1/3 of the head's FLOPs, and the head is about half
-    of all FLOPs at 0.1B. What is saved instead is one gradient of h (N x d) and of weight (the
-    V x d the head's backward would produce anyway)."""
-
-    @staticmethod
-    def forward(ctx, h, weight, targets, chunk_rows, chunk_fn):
-        want_h, want_w = ctx.needs_input_grad[:2]
-        acc = torch.promote_types(h.dtype, torch.float32)  # fp32, or fp64 for gradcheck
-        total = torch.zeros((), dtype=acc, device=h.device)
-        grad_h = torch.empty_like(h) if want_h else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
-        for s in range(0, h.shape[0], chunk_rows):
-            part, gh = chunk_fn(h[s:s + chunk_rows], weight, targets[s:s + chunk_rows], acc, want_h, grad_w)
-            total = total + part
-            if want_h:
-                grad_h[s:s + chunk_rows] = gh
-        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_total):
-        grad_h, grad_w = ctx.saved_tensors
-        return (None if grad_h is None else grad_h * grad_total.to(grad_h.dtype),
-                None if grad_w is None else grad_w * grad_total.to(grad_w.dtype), None, None, None)
-
-
-def chunked_cross_entropy(h, weight, targets, chunk_rows=None, chunk_fn=chunk_loss):
-    """F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=-1, reduction="sum")
-    for h (N, d), weight (V, d), targets (N,), holding one chunk of rows' logits at a time.
-    chunk_fn: chunk_loss, or its compiled form (compile_model_)."""
-    if not torch.is_grad_enabled():
-        # needs_input_grad still says True under no_grad: detached, forward skips the gradients.
-        h, weight = h.detach(), weight.detach()
-    return ChunkedCrossEntropy.apply(h, weight, targets, chunk_rows or loss_chunk_rows(weight.shape[0]), chunk_fn)
-
-
-def compile_model_(net):
-    """torch.compile a GPT (or bench.py's plain GPT) in place for training: each block, the
-    final norm and the per-chunk loss math. Parameter names do not change, so checkpoints, the
-    init and the export see the same model; only this model changes, and another one in the same
-    process keeps the eager path that the compiled one is tested against. Call it before FSDP2's
-    fully_shard (torchtitan's order): the compiled modules then run inside FSDP's hooks, on the
-    gathered parameters.
-
-    The chunk loop stays eager and calls the compiled chunk_loss once per chunk: compiled as a
-    whole, the loop would be unrolled (a graph per chunk count) and nothing would hold inductor
-    to one chunk's logits at a time. Static shapes: a micro-batch has two chunk heights at most
-    (the full one and the ragged last one), so each branch (training, evaluation under no_grad)
-    compiles two graphs at most. Automatic dynamic shapes would instead recompile at the first
-    ragged chunk to a dynamic height and run the full chunks on that graph from then on."""
-    for block in net.layers:
-        block.compile()
-    net.norm.compile()
-    net.loss_fn = functools.partial(chunked_cross_entropy, chunk_fn=compile_once(chunk_loss, dynamic=False))
-    return net
-
-
-def loss_tail_bytes(tokens, d_model, vocab_size, act_bytes):
-    """Peak bytes the chunked loss adds for one micro-batch of tokens, activations of act_bytes
-    each: one chunk's fp32 logits (turned into the gradient in place) and, below fp32, their
-    model-dtype copy; the saved gradient of h; the head weight's fp32 gradient accumulator and
-    one model-dtype V x d product or copy beside it."""
-    rows = min(tokens, loss_chunk_rows(vocab_size))
-    return rows * vocab_size * (4 + (act_bytes if act_bytes < 4 else 0)) + tokens * d_model * act_bytes \
-        + vocab_size * d_model * (4 + act_bytes)
-
-
 class GPT(nn.Module):
     # The summed training loss, loss_fn(h (N, d), lm_head weight, targets (N,)): None is
-    # chunked_cross_entropy (looked up when called); compile_model_ sets a compiled form on one
+    # chunked_cross_entropy (looked up when called); train.compile_model_ sets a compiled form on one
     # model's instance, leaving the class and every other model eager.
     loss_fn = None
 
@@ -685,7 +548,7 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, kv_cache=None):
         """idx, targets: (B, T) int64; targets == -1 are ignored. Returns (logits, None) without
         targets, (None, loss) with them (see chunked_cross_entropy). With a KVCache, idx
-        continues the cached sequence (see generate)."""
+        continues the cached sequence (generate.py)."""
         B, T = idx.shape
         start = 0 if kv_cache is None else kv_cache.length
         if start + T > self.cfg.max_seq_len:
@@ -727,30 +590,6 @@ class GPT(nn.Module):
             if aux_total is not None and self.cfg.moe_aux_loss_coef:
                 loss = loss + self.cfg.moe_aux_loss_coef * aux_total / self.cfg.n_layer
         return logits, loss
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=0.0, top_k=None, generator=None, stop=None):
-        """Continue each row of idx (B, T) by up to max_new_tokens, with a KV cache: greedy at
-        temperature 0, else sampled (optionally from the top_k logits). stop(tokens) -> True ends
-        a row, tokens being that row's new tokens so far; decoding ends when every row has.
-        Returns each row's new tokens, a list of B lists of ints."""
-        B, T = idx.shape
-        if T + max_new_tokens > self.cfg.max_seq_len:
-            raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) > max_seq_len={self.cfg.max_seq_len}: "
-                             f"shorten the prompt or generate fewer tokens")
-        cache = KVCache(self.cfg, B, T + max_new_tokens, idx.device, self.lm_head.weight.dtype)
-        logits, _ = self(idx, kv_cache=cache)
-        new, done = [[] for _ in range(B)], [False] * B
-        for _ in range(max_new_tokens):
-            next_token = sample_next(logits[:, -1], temperature, top_k, generator)
-            for row, token in enumerate(next_token.tolist()):
-                if not done[row]:
-                    new[row].append(token)
-                    done[row] = stop is not None and stop(new[row])
-            if all(done):
-                break
-            logits, _ = self(next_token[:, None], kv_cache=cache)
-        return new
 
     def to_empty(self, *, device, recurse=True):
         # Materialising meta tensors makes a new tensor per module, which silently unties a tied
@@ -809,63 +648,3 @@ class GPT(nn.Module):
         if self.cfg.tie_embeddings:
             matmul += n["embedding"]
         return 6 * matmul + 12 * self.cfg.n_layer * self.cfg.n_head * self.cfg.head_dim * seq_len
-
-
-class KVCache:
-    """Per-layer key/value buffers for decoding; the first `length` positions are filled."""
-
-    def __init__(self, cfg, batch, max_len, device, dtype):
-        shape = (batch, cfg.n_kv_head, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.length = 0
-        # Document masking while decoding: the document id of every cached position, and how
-        # many documents each row has closed so far.
-        self.doc = torch.zeros(batch, max_len, dtype=torch.long, device=device)
-        self.docs_before = torch.zeros(batch, dtype=torch.long, device=device)
-
-    def add_documents(self, idx, eot_id):
-        """Record the document ids of the positions idx (B, T) is about to fill. Ids continue
-        each row's count, so a document cut by a decoding step keeps its id across the cut."""
-        T = idx.shape[1]
-        doc = document_ids(idx, eot_id) + self.docs_before[:, None]
-        self.doc[:, self.length:self.length + T] = doc
-        self.docs_before = doc[:, -1] + (idx[:, -1] == eot_id)
-
-
-def sample_next(logits, temperature=0.0, top_k=None, generator=None):
-    """Next token per row of (B, V) logits: argmax at temperature 0, else a softmax sample."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
-
-
-# Decoding with a trained model (eval.py sample, downstream.py's benchmarks).
-
-def generate(model, prompt, max_new_tokens, num_samples=1, temperature=0.0, top_k=None, seed=0, stop=None):
-    """num_samples continuations of one prompt (token ids) by GPT.generate (KV cache). The
-    prompt loses its oldest tokens when it and the answer would not fit in max_seq_len.
-    stop(tokens) -> True ends a row; returns each row's new tokens."""
-    device = next(model.parameters()).device
-    max_new_tokens = min(max_new_tokens, model.cfg.max_seq_len - 1)
-    prompt = prompt[-(model.cfg.max_seq_len - max_new_tokens):]
-    idx = torch.tensor([prompt] * num_samples, device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    return model.generate(idx, max_new_tokens, temperature, top_k, gen, stop)
-
-
-# The largest γ train.py and eval.py accept: d^-3 is already 4e-6 at d=64, and γ=50 underflows every
-# weight to exactly 0 in fp32 (train.py's `gamma` setting says more).
-GAMMA_MAX = 3.0
-
-
-def init_model_(model, gamma=1.0, seed=0, overrides=None):
-    """γ-initialise every parameter (see init.py) and reset the MoE buffers; returns the report.
-    Identical weights for any world size, and valid after building on meta + to_empty()."""
-    report = gamma_init_(model, gamma=gamma, seed=seed, overrides=overrides)
-    model.reset_buffers()
-    return report

@@ -24,7 +24,8 @@ except ImportError:  # transformers 4.x spelling
 # The repo imports this file too, for SmallInitConfig alone (hf_export.py): there it is no package,
 # and the model.py beside it is not the one an export folder carries.
 if __package__:
-    from .model import GPT, GPTConfig, KVCache
+    from .generate import KVCache
+    from .model import GPT, GPTConfig
 
 
 # The output's cache field: `cache` in recent transformers, `past_key_values` in older ones.

@@ -23,6 +23,7 @@ if __name__ == "__main__":  # first: the imports below take seconds
                              "same command")
 
 import argparse
+import functools
 import gc
 import importlib.util
 import json
@@ -48,9 +49,10 @@ from configurator import configure, settings_help, unknown_key
 from data import TokenLoader, check_model_vocab, check_token_ids, data_fingerprint
 from fileio import write_json
 from mfu import datasheet_peak, matmul_rate
-from init import check_overrides, format_report
+from init import GAMMA_MAX, check_overrides, format_report, init_model_
 from downstream import open_training_bench
-from model import ATTN_BACKENDS, GAMMA_MAX, GPT, compile_model_, config_for, init_model_, load_varlen, loss_tail_bytes
+from loss import chunk_loss, chunked_cross_entropy, loss_tail_bytes
+from model import ATTN_BACKENDS, GPT, compile_once, config_for, load_varlen
 
 # ----------------------------------------------------------------------------- defaults
 _IMPORTED = set(globals())  # the settings are the names assigned below, not every public name imported above
@@ -328,6 +330,27 @@ def model_config(cfg, device_type):
     if mcfg.attn_backend == "varlen":
         load_varlen(mcfg, torch.device(device_type))
     return mcfg
+
+
+def compile_model_(net):
+    """torch.compile a GPT (or bench.py's plain GPT) in place for training: each block, the
+    final norm and the per-chunk loss math. Parameter names do not change, so checkpoints, the
+    init and the export see the same model; only this model changes, and another one in the same
+    process keeps the eager path that the compiled one is tested against. Call it before FSDP2's
+    fully_shard (torchtitan's order): the compiled modules then run inside FSDP's hooks, on the
+    gathered parameters.
+
+    The chunk loop stays eager and calls the compiled chunk_loss once per chunk: compiled as a
+    whole, the loop would be unrolled (a graph per chunk count) and nothing would hold inductor
+    to one chunk's logits at a time. Static shapes: a micro-batch has two chunk heights at most
+    (the full one and the ragged last one), so each branch (training, evaluation under no_grad)
+    compiles two graphs at most. Automatic dynamic shapes would instead recompile at the first
+    ragged chunk to a dynamic height and run the full chunks on that graph from then on."""
+    for block in net.layers:
+        block.compile()
+    net.norm.compile()
+    net.loss_fn = functools.partial(chunked_cross_entropy, chunk_fn=compile_once(chunk_loss, dynamic=False))
+    return net
 
 
 def build_model(cfg, mcfg, device):

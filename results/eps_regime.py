@@ -34,7 +34,8 @@ from data import data_fingerprint, load_meta  # noqa: E402
 from downstream import check_data_fits  # noqa: E402
 from eval import val_batches  # noqa: E402
 from fileio import atomic_write_bytes, read_json, write_json  # noqa: E402
-from model import LayerNorm, RMSNorm, init_model_  # noqa: E402
+from init import init_model_  # noqa: E402
+from model import LayerNorm, RMSNorm  # noqa: E402
 from report import T_975, config_value, format_delta, mean_interval, pyplot, save_figure, seed_deltas  # noqa: E402
 
 R_PAPER = 1e-5 * 2048 ** 2  # the paper's d 2048, γ=1, ε=1e-5: r = 41.9

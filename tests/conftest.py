@@ -47,7 +47,8 @@ def moe_cfg(**overrides):
 def built(cfg, gamma=0.5, seed=0):
     """GPT(cfg) γ-initialised, in eval mode. γ=0.5 makes attention patterns far from uniform, so
     mask mistakes show in the outputs."""
-    from model import GPT, init_model_
+    from init import init_model_
+    from model import GPT
     model = GPT(cfg)
     init_model_(model, gamma=gamma, seed=seed)
     return model.eval()
@@ -61,7 +62,7 @@ def tiny_model(gamma=1.0, seed=0, **overrides):
 
 def greedy_reference(model, idx, n, stop=None):
     """Greedy decoding by full recomputation, without a KV cache: the reference for
-    model.generate and eval.generate. idx (B, T); returns each row's n new tokens, cut after the
+    generate.decode and generate.generate. idx (B, T); returns each row's n new tokens, cut after the
     first token at which stop(tokens so far) holds. Rows never attend to each other, so decoding
     all n and cutting afterwards is the same as stopping."""
     seq = idx

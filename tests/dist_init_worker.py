@@ -10,7 +10,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
-from model import GPT, GPTConfig, init_model_  # noqa: E402
+from init import init_model_  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
 
 
 def full_weights():

@@ -21,7 +21,8 @@ import downstream as ds
 import eval as ev
 import train
 from conftest import launch_env
-from model import GPT, config_for, init_model_
+from init import init_model_
+from model import GPT, config_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KIT_HELLASWAG = os.path.join(ROOT, "..", "shared", "data", ds.KIT_HELLASWAG)

@@ -1,4 +1,4 @@
-"""model.compile_model_: the compiled blocks, final norm and loss chunks against the eager model,
+"""train.compile_model_: the compiled blocks, final norm and loss chunks against the eager model,
 and bench.py's compiled variants (the plain GPT included) built with it."""
 import copy
 import functools
@@ -9,9 +9,10 @@ import torch
 from torch._dynamo.utils import counters
 
 import bench
-import model
+import loss as loss_module
 from conftest import built, tiny
-from model import chunk_loss, chunked_cross_entropy, compile_model_, loss_chunk_rows
+from loss import chunk_loss, chunked_cross_entropy, loss_chunk_rows
+from train import compile_model_
 
 VOCAB = 300
 
@@ -38,7 +39,7 @@ def converted_frames(fn):
 
 @pytest.mark.slow
 def test_compiled_model_matches_the_eager_one_and_leaves_other_models_eager(monkeypatch):
-    monkeypatch.setattr(model, "LOSS_CHUNK_ELEMENTS", 128 * VOCAB)
+    monkeypatch.setattr(loss_module, "LOSS_CHUNK_ELEMENTS", 128 * VOCAB)
     rows = loss_chunk_rows(VOCAB)
     assert rows == 128 and 300 % rows  # three chunks, the last one ragged
     eager = built(tiny(vocab_size=VOCAB)).train()

@@ -10,7 +10,8 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import model as model_module
 from init import gamma_init_
-from model import GPT, GPTConfig, MoE, build_attention_mask, compiled, init_model_, varlen_attention, varlen_boundaries
+from init import init_model_
+from model import GPT, GPTConfig, MoE, build_attention_mask, compiled, varlen_attention, varlen_boundaries
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 EOT = 0

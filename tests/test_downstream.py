@@ -16,7 +16,9 @@ import torch
 import downstream as ds
 import eval as ev
 from conftest import launch_env
-from model import GPT, config_for, init_model_
+import generate as gen
+from init import init_model_
+from model import GPT, config_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVAL_DATA = os.path.join(ROOT, "..", "shared", "data", "eval")
@@ -421,9 +423,17 @@ def test_gsm8k_prompt_is_the_published_chain_of_thought_set():
         ds.gsm8k_convention(None, 9)
 
 
+@pytest.fixture(autouse=True)
+def scripted_decoding(monkeypatch):
+    """A Scripted model decodes by its script; every other model as generate.decode does."""
+    decode = gen.decode
+    monkeypatch.setattr(gen, "decode", lambda model, *args: (model.decode if isinstance(model, Scripted) else
+                                                              lambda *a: decode(model, *a))(*args))
+
+
 class Scripted(torch.nn.Module):
     """A model whose completions are known: sample i is script(prompt)[i], emitted byte by
-    byte and ended by stop() as GPT.generate does."""
+    byte and ended by stop() as generate.decode does."""
 
     def __init__(self, script, max_seq_len=1 << 16):
         super().__init__()
@@ -431,7 +441,7 @@ class Scripted(torch.nn.Module):
         self.dummy = torch.nn.Parameter(torch.zeros(1))
         self.cfg = SimpleNamespace(max_seq_len=max_seq_len)
 
-    def generate(self, idx, max_new_tokens, temperature, top_k, generator, stop):
+    def decode(self, idx, max_new_tokens, temperature, top_k, generator, stop):
         prompt = bytes(idx[0].tolist()).decode(errors="replace")
         self.prompts.append(prompt)
         rows = []

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from analysis import trace_residual
-from model import config_for, GPT, init_model_
+from init import init_model_
+from model import config_for, GPT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 spec = importlib.util.spec_from_file_location("eps_regime", os.path.join(ROOT, "results", "eps_regime.py"))

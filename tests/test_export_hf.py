@@ -19,7 +19,9 @@ pytest.importorskip("safetensors", reason="the HF export needs safetensors (Make
 from conftest import launch_env  # noqa: E402
 import hf_export  # noqa: E402
 from hf_export import export_hf  # noqa: E402
-from model import GPT, GPTConfig, init_model_  # noqa: E402
+from init import init_model_  # noqa: E402
+from generate import decode  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
 from data import get_tokenizer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,7 +88,7 @@ def test_hf_model_matches_model_py(name, tmp_path):
     # Greedy decoding with the KV cache on both sides, stopping at end-of-text (the export's
     # generation_config), from a prompt that crosses a document boundary.
     prompt = x[:1, :30]
-    ours = model.generate(prompt, 24, stop=lambda toks: toks[-1] == EOT)[0]
+    ours = decode(model, prompt, 24, stop=lambda toks: toks[-1] == EOT)[0]
     theirs = hf.generate(prompt, max_new_tokens=24, do_sample=False)[0, prompt.shape[1]:].tolist()
     assert theirs == ours
 
@@ -196,20 +198,20 @@ torch.save({"logits": logits, "modules": sorted(sys.modules), "gpt": type(hf.gpt
 
 
 def test_the_model_is_the_folders_model_py_and_needs_no_repo(tmp_path):
-    """The remote code wraps model.py's GPT from the folder's own copies of model.py and init.py (the
-    repo's files, model.py's import of init.py made relative, the one form transformers copies along):
+    """The remote code wraps model.py's GPT from the folder's own copies of model.py and the project files
+    it needs (the repo's files, their imports of each other made relative, the one form transformers copies along):
     in a process that cannot import the repo, the model loads, is that GPT under model.py's parameter
     names and config, and gives model.py's logits."""
     model = trained_looking_model(**CONFIGS["moe"])
     save_export(model, tmp_path / "m.pt")
     export_hf(str(tmp_path / "m.pt"), str(tmp_path / "hf"))
     shipped = sorted(name for name in os.listdir(tmp_path / "hf") if name.endswith(".py"))
-    assert shipped == ["init.py", "model.py", "modeling_smallinit.py"]
+    assert shipped == ["generate.py", "loss.py", "model.py", "modeling_smallinit.py"]
     for name in shipped:
         with open(os.path.join(ROOT, name), encoding="utf-8") as f:
             repo = f.read()
-        relative = re.sub(r"(?m)^from (init|model) import ", r"from .\1 import ", repo)
-        assert (relative != repo) == (name == "model.py")
+        relative = re.sub(r"(?m)^from (generate|loss|model) import ", r"from .\1 import ", repo)
+        assert (relative != repo) == (name in ("generate.py", "model.py"))
         assert (tmp_path / "hf" / name).read_text(encoding="utf-8") == relative, name
 
     x = torch.randint(0, EOT, (2, 40), generator=torch.Generator().manual_seed(3))
@@ -220,7 +222,7 @@ def test_the_model_is_the_folders_model_py_and_needs_no_repo(tmp_path):
     proc = subprocess.run(args, cwd=tmp_path / "elsewhere", env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = torch.load(tmp_path / "out.pt")
-    assert "model" not in out["modules"] and "init" not in out["modules"]
+    assert not {"model", "loss", "generate", "init"} & set(out["modules"])
     assert out["gpt"].startswith("transformers_modules.hf.") and out["gpt"].endswith(".model") and out["shared"]
     assert out["names"] == sorted(model.state_dict())
     # The config round trip loses nothing but how the model runs (MoE: the reference loop, not grouped GEMMs).
@@ -251,7 +253,7 @@ def test_a_left_padded_batch_generates_each_row_as_alone(name, tmp_path):
         alone = prompts[row:row + 1, pad:]
         with torch.no_grad():
             torch.testing.assert_close(out.logits[0][row], model(alone)[0][0, -1], atol=1e-4, rtol=0)
-        assert out.sequences[row, T:].tolist() == model.generate(alone, 12)[0]
+        assert out.sequences[row, T:].tolist() == decode(model, alone, 12)[0]
 
 
 def test_labels_give_model_py_loss(tmp_path):

@@ -16,7 +16,10 @@ from torch.overrides import TorchFunctionMode
 
 import bench
 import train
-from model import GPT, Block, GPTConfig, apply_rope, compile_model_, init_model_, rope_cos_sin
+from init import init_model_
+from generate import decode
+from model import GPT, Block, GPTConfig, apply_rope, rope_cos_sin
+from train import compile_model_
 
 
 class Calls(TorchFunctionMode):
@@ -130,7 +133,7 @@ def test_fused_gemms_match_separate_ones(dtype, rel, forward_rel, overrides):
     loss_model.backward()
     loss_fused.backward()
     grads_agree(model, fused, rel)
-    assert model.generate(idx[:, :4], 8) == fused.generate(idx[:, :4], 8)  # the KV-cache path
+    assert decode(model, idx[:, :4], 8) == decode(fused, idx[:, :4], 8)  # the KV-cache path
 
 
 def test_fused_gemms_under_fsdp2_bf16_mixed_precision():
@@ -214,7 +217,7 @@ def test_rope_per_block_is_the_same_model():
     bench.use_other_forms(per_block, ("rope-per-block",))
     idx = torch.randint(97, (3, 40), generator=torch.Generator().manual_seed(4))
     assert torch.equal(model(idx)[0], per_block(idx)[0])
-    assert model.generate(idx[:, :4], 8) == per_block.generate(idx[:, :4], 8)  # positions past the cache start
+    assert decode(model, idx[:, :4], 8) == decode(per_block, idx[:, :4], 8)  # positions past the cache start
 
 
 def test_variants_of_other_forms_use_them_and_step():

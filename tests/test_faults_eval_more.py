@@ -18,7 +18,7 @@ from fileio import write_json
 from test_eval import export, greedy_by_hand, save_dcp
 from test_faults_data import snapshot
 from test_faults_eval import RESIDUAL, ROOT, error_line
-from model import GAMMA_MAX
+from init import GAMMA_MAX
 
 SCALING = ["scaling", "--baseline", "1e6=2.10", "3e6=1.90", "1e7=1.75", "3e7=1.66"]
 DEEP = "[" * 100_000  # the decoder recursed once per level: a RecursionError past every `except ValueError`

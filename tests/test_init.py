@@ -15,7 +15,8 @@ from torch import nn
 
 from conftest import failure_text, launch_env
 from init import gamma_init_, format_report
-from model import GPT, GPTConfig, init_model_
+from init import init_model_
+from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,13 +1,14 @@
-"""The chunked training loss (model.chunked_cross_entropy) against the full-logits loss it
+"""The chunked training loss (loss.chunked_cross_entropy) against the full-logits loss it
 replaces: values, gradients, ignored targets, torch.compile, and the memory it holds."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import bench
+import loss as loss_module
 import model
 from conftest import built, moe_cfg, tiny
-from model import chunked_cross_entropy, loss_tail_bytes
+from loss import chunked_cross_entropy, loss_tail_bytes
 
 
 def full_loss(h, w, t):
@@ -82,7 +83,7 @@ def test_ignored_targets_and_an_all_ignored_micro_batch():
 def test_gpt_loss_and_grads_equal_the_full_logits_path(kw, monkeypatch):
     """GPT.forward in training mode (chunked loss, no logits) against the same forward with the
     full-logits loss swapped in: tied embeddings and the MoE aux loss included."""
-    monkeypatch.setattr(model, "LOSS_CHUNK_ELEMENTS", 128 * 50)  # vocab 50: chunks of 128 rows
+    monkeypatch.setattr(loss_module, "LOSS_CHUNK_ELEMENTS", 128 * 50)  # vocab 50: chunks of 128 rows
     cfg = moe_cfg(**kw) if "n_experts" in kw else tiny(**kw)
     net = built(cfg).train()
     idx = torch.randint(0, 50, (5, 60), generator=torch.Generator().manual_seed(1))  # 300 rows: 3 chunks
@@ -120,7 +121,7 @@ def test_peak_memory_below_the_fp32_logits_and_as_planned(monkeypatch):
     mem = bench.loss_memory(batch=2, chunk_elements=chunk)
     assert mem["full"] > 3 * mem["fp32_logits"]  # the measurement sees the logits
     assert mem["chunked"] < 0.5 * mem["fp32_logits"]
-    monkeypatch.setattr(model, "LOSS_CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(loss_module, "LOSS_CHUNK_ELEMENTS", chunk)
     planned = loss_tail_bytes(2 * 512, 64, 100352, 4)
     # Beyond the plan (seen: ~22 MB): the block's activations and the embedding's gradient.
     assert planned <= mem["chunked"] <= 1.5 * planned, (mem, planned)

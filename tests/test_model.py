@@ -9,8 +9,10 @@ import torch.nn.functional as F
 from conftest import built, greedy_reference, moe_cfg, tiny, tiny_model
 from init import gamma_init_
 from analysis import capture_attention, token_logprobs, trace_residual
+from generate import decode, generate
+from init import init_model_
 from model import (GPT, SIZES, Attention, GPTConfig, LayerNorm, MoE, RMSNorm, apply_rope, config_for, document_ids,
-                   generate, init_model_, rope_cos_sin)
+                   rope_cos_sin)
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -471,7 +473,7 @@ def test_cached_greedy_generation_equals_full_recomputation(kw):
     model = built(tiny(max_seq_len=40, **kw))
     idx = torch.randint(1, 50, (3, 7))
     idx[0, 3] = idx[1, 6] = EOT  # documents end inside the prompt (matters with doc_mask)
-    assert model.generate(idx, 20) == greedy_reference(model, idx, 20)
+    assert decode(model, idx, 20) == greedy_reference(model, idx, 20)
 
 
 def test_sampling_follows_the_tempered_distribution_and_stop_ends_rows():
@@ -480,23 +482,23 @@ def test_sampling_follows_the_tempered_distribution_and_stop_ends_rows():
     with torch.no_grad():
         logits = model(prompt)[0][0, -1].double()
     g = torch.Generator().manual_seed(0)
-    first = [t[0] for t in model.generate(prompt.expand(4000, 3), 1, temperature=0.5, generator=g)]
+    first = [t[0] for t in decode(model, prompt.expand(4000, 3), 1, temperature=0.5, generator=g)]
     freq = np.bincount(first, minlength=5) / 4000
     np.testing.assert_allclose(freq, (logits / 0.5).softmax(-1).numpy(), atol=0.03)
     # top_k=1 sampling is greedy; the same generator seed gives the same samples.
     idx = torch.randint(1, 5, (4, 5))
-    greedy = model.generate(idx, 12)
-    assert model.generate(idx, 12, temperature=1.0, top_k=1) == greedy
-    draws = [model.generate(idx, 12, temperature=1.0, generator=torch.Generator().manual_seed(s)) for s in (0, 0, 1)]
+    greedy = decode(model, idx, 12)
+    assert decode(model, idx, 12, temperature=1.0, top_k=1) == greedy
+    draws = [decode(model, idx, 12, temperature=1.0, generator=torch.Generator().manual_seed(s)) for s in (0, 0, 1)]
     assert draws[0] == draws[1] and draws[0] != draws[2]
     # stop ends each row at the token that satisfied it.
     stop_at = greedy[0][3]
-    out = model.generate(idx, 12, stop=lambda toks: toks[-1] == stop_at)
+    out = decode(model, idx, 12, stop=lambda toks: toks[-1] == stop_at)
     for row, full in zip(out, greedy):
         cut = full.index(stop_at) + 1 if stop_at in full else len(full)
         assert row == full[:cut]
     with pytest.raises(ValueError, match="max_seq_len"):
-        model.generate(idx, 40)
+        decode(model, idx, 40)
 
 
 def test_generate_crops_long_prompts_and_passes_stop_through():

@@ -24,7 +24,8 @@ import torch
 import checkpoint
 import train
 from conftest import failure_text, launch_env
-from model import GPT, GPTConfig, init_model_
+from init import init_model_
+from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A tiny model and batch: each run is dominated by process start-up (~3 s).
