@@ -25,7 +25,6 @@ if __name__ == "__main__":  # first: the imports below take seconds
 import argparse
 import functools
 import gc
-import importlib.util
 import json
 import math
 import os
@@ -49,10 +48,11 @@ from configurator import configure, settings_help, unknown_key
 from data import TokenLoader, check_model_vocab, check_token_ids, data_fingerprint
 from fileio import write_json
 from mfu import datasheet_peak, matmul_rate
-from init import GAMMA_MAX, check_overrides, format_report, init_model_
+from init import format_report, init_model_
 from downstream import open_training_bench
 from loss import chunk_loss, chunked_cross_entropy, loss_tail_bytes
-from model import ATTN_BACKENDS, GPT, compile_once, config_for, load_varlen
+from model import GPT, compile_once, config_for, load_varlen
+from rules import check_settings, decay_start
 
 # ----------------------------------------------------------------------------- defaults
 _IMPORTED = set(globals())  # the settings are the names assigned below, not every public name imported above
@@ -122,48 +122,6 @@ debug_nan_step = 0              # test knob: poison the loss at this step (0: ne
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items()
             if k not in _IMPORTED and not k.startswith("_") and type(v) in (int, float, bool, str, list, tuple, dict)}
-SCHEDULES = ("cosine", "wsd")
-FP32 = torch.finfo(torch.float32)  # AdamW's state and the parameters it updates (bf16 is only a compute copy)
-
-# ----------------------------------------------------------------------------- checks of the settings
-# (settings, ok(their values), message): validate() stops at the first rule whose ok returns False or raises a
-# ValueError, saying "config: " + the message formatted with the settings and {error}, the ValueError's text. A
-# rule may rely on the rules above it. Checks that derive a number for their message are functions after train(),
-# their ValueError the message.
-CHECKS = [
-    (("schedule",), lambda s: s in SCHEDULES, f"schedule={{schedule!r}}: choose one of {SCHEDULES}"),
-    (("attn_backend",), lambda b: b in ("auto", *ATTN_BACKENDS),
-     "attn_backend={attn_backend!r}: choose one of " + ", ".join(("auto", *ATTN_BACKENDS))),
-    *[((k,), lambda v: v >= 1, f"{k}={{{k}}} must be >= 1") for k in ("seq_len", "global_batch", "batch_size",
-      "max_steps", "log_interval", "eval_interval", "eval_batches", "ckpt_interval", "keep_last")],
-    *[((k,), lambda v: v >= 0, f"{k}={{{k}}} must be >= 0")
-      for k in ("warmup_steps", "keep_every", "dry_run", "peak_flops", "grad_clip", "bench_interval")],
-    (("adam_eps",), lambda eps: eps >= FP32.tiny,  # where denormals are flushed a subnormal eps is 0 too
-     f"adam_eps={{adam_eps:g}} must be >= float32's smallest normal {FP32.tiny:.3g} (AdamW's state is fp32: smaller "
-     f"is 0 or subnormal there, and a zero gradient's update 0/0 = NaN); use e.g. 1e-8"),
-    (("keep_steps", "max_steps"), lambda steps, last: all(type(s) is int and 0 <= s <= last for s in steps),
-     "keep_steps={keep_steps} must be whole steps between 0 and max_steps"),
-    (("seed",), lambda s: 0 <= s < 2**64, "seed={seed} must be in 0 <= seed < 2**64"),  # torch: 64 bits, numpy: >= 0
-    (("warmup_steps", "max_steps"), lambda w, n: w < n, "warmup_steps={warmup_steps} must be < max_steps={max_steps}"),
-    *[((k,), lambda v: 0 <= v <= 1, f"{k}={{{k}}} must be between 0 and 1") for k in ("min_lr_ratio", "decay_frac")],
-    (("schedule", "warmup_steps", "max_steps", "decay_frac"), lambda *v: wsd_fits(*v), "{error}"),
-    (("betas",), lambda b: len(b) == 2 and all(type(x) in (int, float) and 0 <= x < 1 for x in b),
-     "betas={betas} must be two numbers in [0, 1), e.g. (0.9, 0.95)"),
-    (("weight_decay",), lambda wd: all(v >= 0 for v in wd.values()),
-     "weight_decay={weight_decay} must be >= 0 in every group"),
-    (("lr",), lambda lr: lr > 0, "lr={lr} must be > 0"),
-    (("lr", "betas", "weight_decay"), lambda *v: adamw_fits(*v), "{error}"),
-    *[((k,), lambda v, p=p: not v or importlib.util.find_spec(p) is not None,  # now, not at the first log line
-       f"{k}={{{k}!r}} needs the {p} package: pip install {p}") for k, p in (("tensorboard_dir", "tensorboard"),
-                                                                              ("wandb_log", "wandb"))],
-    (("out_dir",), lambda d: d.strip() != "",  # "" would write checkpoints into the current folder
-     "out_dir is empty: name the run folder, e.g. --out_dir=out/run"),
-    (("gamma",), lambda g: gamma_fits("gamma", g), "{error}"),
-    (("model_size", "model"), lambda size, model: config_for(size, **model),  # the model's checks, no GPU needed
-     "model_size={model_size!r}, model={model}: {error}"),
-    (("init_overrides", "model_size", "model"), lambda *v: overrides_fit(*v), "{error}"),
-    (("seq_len", "model_size", "model"), lambda *v: seq_len_fits(*v), "{error}"),
-]
 
 
 # SIGTERM and SIGUSR1 are a scheduler's notice that it will kill the job (SLURM's scancel and
@@ -473,11 +431,6 @@ def lr_at(cfg, step):
     return peak - (peak - low) * (step - start + 1) / (total - start)
 
 
-def decay_start(max_steps, decay_frac):
-    """wsd: the step from which lr decays linearly to its floor."""
-    return max_steps - int(decay_frac * max_steps)
-
-
 def mfu_peak(cfg, device):
     """(peak FLOP/s of one device for MFU, where it came from): peak_flops if set, else the datasheet's
     (mfu.py; 0, no MFU, on a CPU or a GPU it does not list)."""
@@ -661,75 +614,13 @@ def usage():
 
 
 def load_config(argv):
-    """Defaults <- config files (in order) <- --key=value overrides (configurator.py); validated."""
+    """Defaults <- config files (in order) <- --key=value overrides (configurator.py); checked (rules.py)."""
     cfg = configure(DEFAULTS, argv, ALIASES)
-    validate(cfg)
+    check_settings(cfg)
     return cfg
 
 
-def validate(cfg):
-    """The first rule of CHECKS that cfg breaks, as a one-line ValueError."""
-    for settings, ok, message in CHECKS:
-        try:
-            if ok(*(cfg[k] for k in settings)) is not False:
-                continue
-            error = None
-        except (ValueError, TypeError) as e:  # a check that names the problem itself (init, GPTConfig)
-            error = e
-        raise ValueError("config: " + (message(cfg) if callable(message) else message.format(**cfg, error=error)))
 
-
-def wsd_fits(schedule, warmup_steps, max_steps, decay_frac):
-    """A wsd decay that starts before warmup ends would drop lr from the peak at once."""
-    start = decay_start(max_steps, decay_frac)
-    if schedule == "wsd" and warmup_steps > start:
-        raise ValueError(f"schedule='wsd' decays from step {start} (decay_frac={decay_frac} of max_steps={max_steps}), "
-                         f"before warmup_steps={warmup_steps} end: lower decay_frac to <= "
-                         f"{(max_steps - warmup_steps) / max_steps:g} or warmup_steps to <= {start}")
-
-
-def adamw_fits(lr, betas, weight_decay):
-    """AdamW turns lr into two fp32 scalars: the step size lr / (1 - beta1^t), largest at the first
-    step (bias correction), and the decay factor 1 - lr * weight_decay. Past float32's max the
-    first stops torch with an overflow error, the second silently turns that group's weights to
-    inf. (An lr just inside the bound still diverges at once; the loop's non-finite check catches that.)"""
-    step_size = lr / (1 - betas[0])
-    if step_size > FP32.max:
-        raise ValueError(f"lr={lr:g} is too large: AdamW's first step size lr/(1 - betas[0]) = {step_size:.3g} is past "
-                         f"float32's max {FP32.max:.3g}; use e.g. lr=1e-3")
-    for group, wd in weight_decay.items():
-        if lr * wd > FP32.max:
-            raise ValueError(f"weight_decay.{group}={wd:g} times lr={lr:g} is past float32's max {FP32.max:.3g}: AdamW "
-                             f"would scale the weights by 1 - lr*weight_decay = -inf; use e.g. 0.1")
-
-
-def gamma_fits(key, value):
-    if not 0 < value <= GAMMA_MAX:  # also refuses nan
-        raise ValueError(f"{key}={value} is outside 0 < γ <= {GAMMA_MAX:g}: at γ <= 0 weights do not shrink with "
-                         f"width, above {GAMMA_MAX:g} they start near 0; use e.g. 0.5 (standard) or 1.0")
-
-
-def overrides_fit(overrides, model_size, model):
-    """init_overrides matched against the model's own parameter names (built on meta: no memory, no GPU), so a typo
-    or a bad regex fails with the settings, not after the data is opened, or never (a pattern that matches nothing
-    changes no γ, silently); then each γ in range."""
-    if not overrides:
-        return
-    with torch.device("meta"):
-        net = GPT(config_for(model_size, **model))
-    try:
-        check_overrides(overrides, net)
-    except ValueError as e:
-        raise ValueError(f"init_overrides: {e}") from None
-    for pattern, value in overrides.items():
-        gamma_fits(f"init_overrides[{pattern!r}]", value)
-
-
-def seq_len_fits(seq_len, model_size, model):
-    max_seq_len = config_for(model_size, **model).max_seq_len
-    if seq_len > max_seq_len:
-        raise ValueError(f"seq_len={seq_len} > the model's max_seq_len={max_seq_len}: lower seq_len or set "
-                         f"--model.max_seq_len={seq_len}")
 
 
 # ----------------------------------------------------------------------------- main
