@@ -23,6 +23,7 @@ import re
 import shutil
 import sys
 import tempfile
+from dataclasses import fields
 
 from checkpoint import check_export_parent, export_write_error, load_model, sigint_held
 from data import get_tokenizer
@@ -55,7 +56,20 @@ def llama_obstacles(cfg):
         obstacles.append(f"mlp={cfg.mlp!r} (Llama's MLP is SwiGLU)")
     if cfg.doc_mask:
         obstacles.append("doc_mask=True (Llama attends across end-of-text tokens)")
+    # Any other field of the function (one a forker added to GPTConfig) away from its default: Llama cannot
+    # say it, and dropped silently the export would compute another function.
+    from modeling_smallinit import RUN_ONLY, field_default
+    for field in fields(cfg):
+        value = getattr(cfg, field.name)
+        if field.name not in LLAMA_FIELDS | RUN_ONLY and value != field_default(field):
+            obstacles.append(f"{field.name}={value!r} (Llama has no such setting)")
     return obstacles
+
+
+# GPTConfig's fields that Llama's config says, or whose Llama form llama_obstacles checks above.
+LLAMA_FIELDS = {"vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "norm", "norm_eps", "rope_theta",
+                "max_seq_len", "tie_embeddings", "eot_id", "attn_gate", "n_experts", "mlp", "doc_mask", "top_k",
+                "d_expert", "router_score"}
 
 
 # model.py's parameter name -> LlamaForCausalLM's ({i}: the layer).
@@ -91,9 +105,9 @@ def model_config(cfg, eot_id):
         return LlamaConfig(**common, intermediate_size=cfg.d_ff, hidden_act="silu", head_dim=cfg.head_dim,
                            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
                            attention_bias=False, mlp_bias=False), "LlamaForCausalLM"
-    from modeling_smallinit import GPT_FIELDS, SmallInitConfig
-    config = SmallInitConfig(**{hf: getattr(cfg, ours) for hf, ours in GPT_FIELDS.items()}, eos_token_id=eot_id,
-                             pad_token_id=eot_id)
+    from modeling_smallinit import SmallInitConfig, gpt_fields
+    config = SmallInitConfig(**{hf: getattr(cfg, ours) for hf, ours in gpt_fields(type(cfg)).items()},
+                             eos_token_id=eot_id, pad_token_id=eot_id)
     config.auto_map = {"AutoConfig": "modeling_smallinit.SmallInitConfig",
                        "AutoModelForCausalLM": "modeling_smallinit.SmallInitForCausalLM"}
     return config, "SmallInitForCausalLM"

@@ -2,7 +2,7 @@
 `python train.py export CKPT OUT_DIR --format hf` for the models stock LlamaForCausalLM
 cannot express: gated attention, MoE, a GELU MLP, document masking.
 
-The network is model.py's GPT, which the folder carries beside this file (with init.py, which it
+The network is model.py's GPT, which the folder carries beside this file (with the files it
 imports): SmallInitForCausalLM only adapts HF's calling conventions to it, so a change to the
 model is made in model.py alone. The GPT's modules are this model's, under model.py's names, so
 the safetensors file is model.py's state dict as it is. transformers loads the folder as a
@@ -10,6 +10,7 @@ package and copies the files this one imports relatively, so the folder needs to
 transformers only, never the smallinit repo.
 """
 import contextlib
+from dataclasses import MISSING, fields
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +32,9 @@ if __package__:
 # The output's cache field: `cache` in recent transformers, `past_key_values` in older ones.
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
-# SmallInitConfig's field -> the GPTConfig field it holds. HF's names where HF has one: tools such
+# SmallInitConfig's field -> the GPTConfig field it holds, where HF has a name of its own: tools such
 # as lm-eval read max_position_embeddings, and configs written by earlier exports use these names.
-GPT_FIELDS = {
+HF_NAMES = {
     "vocab_size": "vocab_size", "hidden_size": "d_model", "num_hidden_layers": "n_layer",
     "num_attention_heads": "n_head", "num_key_value_heads": "n_kv_head", "intermediate_size": "d_ff",
     "mlp": "mlp", "rms_norm_eps": "norm_eps", "attn_gate": "attn_gate", "rope_theta": "rope_theta",
@@ -41,6 +42,22 @@ GPT_FIELDS = {
     "n_experts": "n_experts", "num_experts_per_tok": "top_k", "d_expert": "d_expert",
     "router_score": "router_score", "tie_word_embeddings": "tie_embeddings",
 }
+# GPTConfig's fields that say how a model runs or trains, not the function it computes: not exported
+# (ff_multiple_of is resolved into d_ff already).
+RUN_ONLY = {"attn_backend", "moe_impl", "activation_checkpointing", "moe_aux_loss_coef", "moe_bias_rate",
+            "ff_multiple_of"}
+
+
+def gpt_fields(config_class):
+    """SmallInitConfig's field -> GPTConfig's, for every field of config_class but RUN_ONLY: HF's name where
+    HF has one, else GPTConfig's own. A field a forker adds to GPTConfig is then exported and loaded back
+    with no line here."""
+    named = set(HF_NAMES.values()) | RUN_ONLY
+    return {**HF_NAMES, **{f.name: f.name for f in fields(config_class) if f.name not in named}}
+
+
+def field_default(field):
+    return field.default if field.default is not MISSING else field.default_factory()
 
 
 class SmallInitConfig(PreTrainedConfig):
@@ -62,11 +79,14 @@ class SmallInitConfig(PreTrainedConfig):
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
 
-def gpt_config(config):
-    # MoE's reference loop: grouped GEMMs need sizes divisible by 8 and a kernel for the device and
-    # dtype, and a loaded model goes on whatever device and dtype its user picks.
-    return GPTConfig(**{ours: getattr(config, hf) for hf, ours in GPT_FIELDS.items()}, attn_backend="sdpa",
-                     moe_impl="reference")
+def gpt_config(config, config_class=None):
+    """The GPTConfig (config_class: the folder's model.GPTConfig) of a SmallInitConfig. A field that an
+    earlier export did not write takes GPTConfig's default. MoE's reference loop: grouped GEMMs need
+    sizes divisible by 8 and a kernel for the device and dtype, and a loaded model goes on whatever
+    device and dtype its user picks."""
+    config_class = config_class or GPTConfig
+    carried = {ours: getattr(config, hf) for hf, ours in gpt_fields(config_class).items() if hasattr(config, hf)}
+    return config_class(**carried, attn_backend="sdpa", moe_impl="reference")
 
 
 class SmallInitCache:

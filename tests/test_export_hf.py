@@ -309,3 +309,26 @@ def test_a_refused_import_writes_nothing(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="imports numpy"):
         export_hf(str(tmp_path / "m.pt"), str(tmp_path / "hf"))
     assert sorted(os.listdir(tmp_path)) == ["code", "m.pt"]
+
+
+def test_a_field_a_forker_adds_to_gptconfig_is_exported_and_read_back():
+    # A new setting of the attention (here a logit soft-cap) needs no line in modeling_smallinit.py: the
+    # folder's config carries it under its own name, the loader reads it back, and a model that sets it
+    # leaves the Llama route (which would drop it) for the remote code's. A run-only field is not carried.
+    import modeling_smallinit as ms
+    Extended = dataclasses.make_dataclass("GPTConfig", [("attn_softcap", float, 0.0)], bases=(GPTConfig,))
+    assert ms.gpt_fields(Extended)["attn_softcap"] == "attn_softcap"
+    assert not {"attn_backend", "moe_impl"} & set(ms.gpt_fields(Extended).values())
+    plain = Extended(vocab_size=300, n_layer=1, n_head=2, d_model=32, attn_gate="none")
+    assert hf_export.llama_obstacles(plain) == []
+    capped = Extended(vocab_size=300, n_layer=1, n_head=2, d_model=32, attn_gate="none", attn_softcap=30.0,
+                      norm_eps=1e-6)
+    assert hf_export.llama_obstacles(capped) == ["attn_softcap=30.0 (Llama has no such setting)"]
+    config, architecture = hf_export.model_config(capped, EOT)
+    assert architecture == "SmallInitForCausalLM"
+    again = ms.SmallInitConfig.from_dict(json.loads(config.to_json_string()))  # as config.json holds it
+    assert ms.gpt_config(again, Extended) == Extended(**{**dataclasses.asdict(capped), "attn_backend": "sdpa",
+                                                        "moe_impl": "reference"})
+    # A folder an earlier export wrote, without the field: its default.
+    del again.attn_softcap
+    assert ms.gpt_config(again, Extended).attn_softcap == 0.0
