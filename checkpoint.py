@@ -673,12 +673,6 @@ def check_resumable(path, mcfg):
                          f"or choose another out_dir")
 
 
-# Settings that define the experiment (with the model, which check_resumable compares): resumed
-# with another value, a run would become a different arm under the old one's name.
-EXPERIMENT_KEYS = ("gamma", "init_overrides", "seed", "global_batch", "seq_len", "lr", "betas", "adam_eps",
-                   "weight_decay", "grad_clip", "schedule", "warmup_steps", "max_steps", "min_lr_ratio", "decay_frac")
-
-
 def recorded_settings(saved_meta):
     """The experiment's settings as they stand at a checkpoint: the first run's, then each change
     allowed at a resume (allow_resume_changes), in order."""
@@ -688,25 +682,26 @@ def recorded_settings(saved_meta):
     return now
 
 
-def experiment_changes(saved_meta, cfg, data_fp):
-    """{setting: {"was", "now"}} between a checkpoint and this run. Data is compared by content
+def experiment_changes(saved_meta, cfg, data_fp, experiment):
+    """{setting: {"was", "now"}} of the settings named in experiment (train.EXPERIMENT) and the data,
+    between a checkpoint and this run. Data is compared by content
     (data.data_fingerprint), so a refilled folder of the same size is caught; checkpoints
     written before fingerprints existed are compared on settings only."""
     was, now = recorded_settings(saved_meta), json.loads(json.dumps(cfg))  # as saved: tuples are lists
-    changes = {k: {"was": was.get(k), "now": now[k]} for k in EXPERIMENT_KEYS if was.get(k) != now[k]}
+    changes = {k: {"was": was.get(k), "now": now[k]} for k in experiment if was.get(k) != now[k]}
     if saved_meta.get("data_fingerprint") not in (None, data_fp):
         changes["data"] = {"was": saved_meta["data_fingerprint"][:12], "now": data_fp[:12]}
     return changes
 
 
-def settings_to_record(saved_meta, cfg, step, changes):
+def settings_to_record(saved_meta, cfg, step, changes, experiment):
     """(config, resume_changes) for the checkpoints and config.json of a run resumed from a
     checkpoint with meta saved_meta (None: a fresh run). The experiment's settings stay the first
     run's and every change allowed at a resume is listed with its step: a checkpoint never says
     γ=0.5 for a model initialised at γ=1. The other settings (paths, intervals) are this run's."""
     if saved_meta is None:
         return cfg, []
-    first = {k: saved_meta["config"][k] for k in EXPERIMENT_KEYS if k in saved_meta["config"]}
+    first = {k: saved_meta["config"][k] for k in experiment if k in saved_meta["config"]}
     history = saved_meta.get("resume_changes", []) + ([{"step": step, "changes": changes}] if changes else [])
     return {**cfg, **first}, history
 
@@ -755,10 +750,11 @@ def open_run_dir(out, resume, rank, log):
     return done
 
 
-def resume_run(cfg, done, net, opt, loader, mcfg, data_fp, log):
+def resume_run(cfg, experiment, done, net, opt, loader, mcfg, data_fp, log):
     """(step, resumed checkpoint or None, changes, meta): the newest of `done` that loads on every
-    rank (newest_intact), falling back to the one before; the experiment changes allowed at this
-    resume; and the meta every checkpoint of this run records (settings_to_record, code_version)."""
+    rank (newest_intact), falling back to the one before; the changes of experiment's settings
+    (train.EXPERIMENT) allowed at this resume; and the meta every checkpoint of this run records
+    (settings_to_record, code_version)."""
 
     def agreed(why):  # every rank's verdict, so that all load, fall back or stop together
         ok = torch.tensor(why is None, device=next(net.parameters()).device, dtype=torch.float32)
@@ -774,7 +770,7 @@ def resume_run(cfg, done, net, opt, loader, mcfg, data_fp, log):
             why = why or "another rank could not read its meta.json"
         else:
             check_resumable(path, mcfg)
-            changes = experiment_changes(meta, cfg, data_fp)
+            changes = experiment_changes(meta, cfg, data_fp, experiment)
             if changes and not cfg["allow_resume_changes"]:
                 raise RunDirError(f"{cfg['out_dir']} was trained with other settings ({describe_changes(changes)}): "
                                   f"resume with the run's settings, choose another out_dir, or pass "
@@ -797,7 +793,7 @@ def resume_run(cfg, done, net, opt, loader, mcfg, data_fp, log):
     if done and resumed is None:
         raise RunDirError(f"no checkpoint in {cfg['out_dir']} could be resumed (see above): move them away to start "
                           f"over, or choose another out_dir")
-    step, changes = (meta["step"], experiment_changes(meta, cfg, data_fp)) if resumed else (0, {})
+    step, changes = (meta["step"], experiment_changes(meta, cfg, data_fp, experiment)) if resumed else (0, {})
     if resumed:
         log(f"resumed from {resumed} at step {step}")
         if meta["world_size"] != dist.get_world_size():
@@ -806,7 +802,7 @@ def resume_run(cfg, done, net, opt, loader, mcfg, data_fp, log):
                 f"float reductions run in a different order")
         if changes:
             log(f"resuming with changed settings (allow_resume_changes): {describe_changes(changes)}")
-    recorded, history = settings_to_record(meta, cfg, step, changes)
+    recorded, history = settings_to_record(meta, cfg, step, changes, experiment)
     return step, resumed, changes, {"config": recorded, "resume_changes": history, "model_config": asdict(mcfg),
                                     "data_meta": loader.meta, "data_fingerprint": data_fp,
                                     "code_version": code_version()}

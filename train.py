@@ -122,6 +122,11 @@ debug_nan_step = 0              # test knob: poison the loss at this step (0: ne
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items()
             if k not in _IMPORTED and not k.startswith("_") and type(v) in (int, float, bool, str, list, tuple, dict)}
+# The settings that define the experiment (the model's, which a resume compares too, aside): resumed with another
+# value, a run would become a different arm under the old one's name, so a resume refuses the change unless
+# allow_resume_changes (then it is recorded). A new setting of the loop that changes what is trained goes here.
+EXPERIMENT = ("gamma", "init_overrides", "seed", "global_batch", "seq_len", "lr", "betas", "adam_eps",
+              "weight_decay", "grad_clip", "schedule", "warmup_steps", "max_steps", "min_lr_ratio", "decay_frac")
 
 
 # SIGTERM and SIGUSR1 are a scheduler's notice that it will kill the job (SLURM's scancel and
@@ -160,7 +165,7 @@ def train_run(cfg, preempted):
     net, init_report = build_model(cfg, mcfg, device)
     opt = make_optimizer(net, cfg, device)
     track = tracked_weights(net, cfg, mcfg.n_layer)
-    step, resumed, changes, meta = resume_run(cfg, done, net, opt, loader, mcfg, data_fp, log0)
+    step, resumed, changes, meta = resume_run(cfg, EXPERIMENT, done, net, opt, loader, mcfg, data_fp, log0)
     save_config(cfg, rank, meta, None if resumed else init_report)
     # Metrics is closed on every way out (a tensorboard writer or wandb run is a thread of its own), inside the
     # Ctrl-C handler: a Ctrl-C during the close (wandb's finish uploads) still names the step reached.

@@ -213,6 +213,28 @@ def test_all_finite_sees_one_nan_in_optimizer_state():
 
 
 # ----------------------------------------------------------------------------- provenance
+# train.py with one more setting in EXPERIMENT, as a forker adds a loop setting that changes what is trained.
+WITH_A_NEW_EXPERIMENT_SETTING = """
+import sys
+import train
+train.EXPERIMENT += ("eval_batches",)
+try:
+    train.main(sys.argv[1:])
+except Exception as e:
+    sys.exit(str(e))
+"""
+
+
+def test_a_setting_added_to_train_pys_experiment_list_is_refused_on_resume(run6, data_dir, tmp_path):  # noqa: F811
+    # The one place: train.EXPERIMENT, beside the defaults; the resume (checkpoint.py) reads it from there.
+    run = copy_run(run6, tmp_path)
+    p = subprocess.run([sys.executable, "-c", WITH_A_NEW_EXPERIMENT_SETTING, *ARGS, f"--data_dir={data_dir}",
+                        f"--out_dir={run}", "--eval_batches=2"], cwd=ROOT, capture_output=True, text=True,
+                       env=launch_env())
+    assert p.returncode == 1 and "was trained with other settings (eval_batches 1 there, 2 now)" in p.stderr, p.stderr
+    assert set(train.EXPERIMENT) <= set(train.DEFAULTS)  # every name a setting
+
+
 @pytest.mark.slow
 def test_resume_refuses_a_different_experiment(run6, data_dir, tmp_path):  # noqa: F811
     run = copy_run(run6, tmp_path)
@@ -221,9 +243,10 @@ def test_resume_refuses_a_different_experiment(run6, data_dir, tmp_path):  # noq
     assert "gamma 1.0 there, 0.5 now; seed 0 there, 1 now" in err and "allow_resume_changes" in err
     meta = meta_of(run)
     fp = data_fingerprint(data_dir, load_meta(data_dir))
-    assert checkpoint.experiment_changes(meta, train.load_config(base), fp) == {}
-    assert checkpoint.experiment_changes(meta, train.load_config([*base, "--weight_decay.matrix=1.0"]), fp) == {
-        "weight_decay": {"was": {"matrix": 0.1, "embed": 0.0, "norm": 0.0}, "now": {"matrix": 1.0, "embed": 0.0, "norm": 0.0}}}
+    assert checkpoint.experiment_changes(meta, train.load_config(base), fp, train.EXPERIMENT) == {}
+    changed = train.load_config([*base, "--weight_decay.matrix=1.0"])
+    assert checkpoint.experiment_changes(meta, changed, fp, train.EXPERIMENT) == {"weight_decay": {
+        "was": {"matrix": 0.1, "embed": 0.0, "norm": 0.0}, "now": {"matrix": 1.0, "embed": 0.0, "norm": 0.0}}}
     # the same data, every byte rot13'd: the same size and shapes, other tokens
     other = str(tmp_path / "rot13")
     shutil.copytree(data_dir, other)
@@ -239,7 +262,8 @@ def test_resume_refuses_a_different_experiment(run6, data_dir, tmp_path):  # noq
         info.pop("shard_sha256")  # as a folder written before fingerprints: hashed from the files
     json.dump(meta, open(os.path.join(other, "meta.json"), "w"))
     assert data_fingerprint(other, meta) != fp
-    assert list(checkpoint.experiment_changes(meta_of(run), train.load_config(base), data_fingerprint(other, meta))) == ["data"]
+    assert list(checkpoint.experiment_changes(meta_of(run), train.load_config(base), data_fingerprint(other, meta),
+                                              train.EXPERIMENT)) == ["data"]
     # explicitly allowed: resumes, and the change is on record
     p = run_train([*base, "--max_steps=7", "--allow_resume_changes=True"])
     assert "resuming with changed settings" in p.stdout
