@@ -115,12 +115,13 @@ def expected_seconds(out):
     train, the measured time for the tests."""
     import bench
     import train
+    from plan import print_plan
     suite = bench.SUITES["cuda"]
     expected = {name: round(bench.plan(bench.select(suite.variants(), variants), suite, 5, 2, 2,
                                        suite.nominal_peak)[1]) for name, variants in BENCHES.items()}
     cfg = train.load_config([*TRAIN[1:], f"--data_dir={out}/scratch/data"])
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-        plan = train.print_plan(cfg, 1)
+        plan = print_plan(cfg, 1)
     flops = plan["flops_per_token"] * plan["tokens_per_step"] * cfg["max_steps"]
     init = plan["params"]["total"] * bench.INIT_S_PER_PARAM
     expected["train"] = round(flops / (0.4 * suite.nominal_peak) + suite.compile_s + init + 20)
@@ -166,6 +167,7 @@ def train_numbers(out):
     import statistics
 
     import train
+    from plan import print_plan
     run = os.path.join(out, "scratch", "run")
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if '"tokens_per_s"' in line]
     for name in os.listdir(run):
@@ -173,7 +175,7 @@ def train_numbers(out):
             shutil.rmtree(os.path.join(run, name))
     cfg = train.load_config([*TRAIN[1:], f"--data_dir={out}/scratch/data"])
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-        estimate = train.print_plan(cfg, 1)["memory_bytes"] / 2**30
+        estimate = print_plan(cfg, 1)["memory_bytes"] / 2**30
     steady = [r for r in rows if r["step"] >= 3]
     peak = max(r["mem_gib"] for r in rows)
     return {"tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in steady)),

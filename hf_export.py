@@ -14,6 +14,7 @@ the safetensors file is model.py's state dict.
 The tokenizer is the run's tiktoken encoding rewritten as a byte-level BPE (`tokenizers`), so
 AutoTokenizer gives the ids prepare_data.py gave; `bytes` is the same BPE with no merges.
 """
+import argparse
 import ast
 import errno
 import importlib
@@ -25,7 +26,7 @@ import sys
 import tempfile
 from dataclasses import fields
 
-from checkpoint import check_export_parent, export_write_error, load_model, sigint_held
+from checkpoint import check_export_parent, export, export_write_error, load_model, sigint_held
 from data import get_tokenizer
 from fileio import file_kind
 
@@ -345,3 +346,21 @@ def export_hf(ckpt, out_dir, tokenizer_dir=None):
     print(f"exported {info['path']} (step {info.get('step')}) -> {out_dir} as {arch}{why}"
           + ("" if enc else "; no tokenizer (anchor-task ids are not text)"))
     return arch
+
+
+def export_command(argv):
+    """`python train.py export ...`: one file (pt: checkpoint.export) or a HF transformers folder (hf: export_hf)."""
+    p = argparse.ArgumentParser(prog="train.py export", description="one file (pt) or a HF transformers folder (hf)")
+    p.add_argument("ckpt", help="checkpoint folder (hf: also a .pt export or a run folder)")
+    p.add_argument("out", help="pt: the file to write; hf: the folder")
+    p.add_argument("--format", choices=["pt", "hf"], default="pt", help="pt: one torch file; hf: a transformers folder")
+    p.add_argument("--tokenizer-dir", help="hf: offline tiktoken files (prepare_data.py --tokenizer-dir)")
+    a = p.parse_args(argv)
+    try:
+        if a.format == "pt":
+            export(a.ckpt, a.out)
+        else:
+            export_hf(a.ckpt, a.out, a.tokenizer_dir)
+    except KeyboardInterrupt:  # both write under a temporary name, removed on the way out, and rename it into place
+        raise KeyboardInterrupt(f"interrupted: the export to {a.out} stopped before it finished; nothing is "
+                                f"half-written, the same command exports again") from None

@@ -10,7 +10,7 @@ import importlib.util
 import torch
 
 from init import GAMMA_MAX, check_overrides
-from model import ATTN_BACKENDS, GPT, config_for
+from model import ATTN_BACKENDS, GPT, config_for, load_varlen
 
 SCHEDULES = ("cosine", "wsd")
 FP32 = torch.finfo(torch.float32)  # AdamW's state and the parameters it updates (bf16 is only a compute copy)
@@ -104,3 +104,25 @@ def refuse_gamma(key, value, refuse):
 def decay_start(max_steps, decay_frac):
     """The first step of the wsd schedule's decay (train.lr_at)."""
     return max_steps - int(decay_frac * max_steps)
+
+
+# What the settings imply for a run (train.py, the dry run's plan.py)
+
+def grad_accum(cfg, world):
+    per_step = cfg["batch_size"] * world
+    if cfg["global_batch"] % per_step:
+        raise ValueError(f"config: global_batch={cfg['global_batch']} is not a multiple of "
+                         f"batch_size*world_size={cfg['batch_size']}*{world}; change batch_size")
+    return cfg["global_batch"] // per_step
+
+
+def model_config(cfg, device_type):
+    """The GPTConfig of validated settings on device_type ("cuda" or "cpu"): attn_backend "auto" resolved, and
+    varlen's device and torch checks run, before any run folder exists."""
+    backend = cfg["attn_backend"]
+    if backend == "auto":
+        backend = "flex" if device_type == "cuda" else "sdpa"
+    mcfg = config_for(cfg["model_size"], **{"attn_backend": backend, **cfg["model"]})
+    if mcfg.attn_backend == "varlen":
+        load_varlen(mcfg, torch.device(device_type))
+    return mcfg

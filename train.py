@@ -22,7 +22,6 @@ if __name__ == "__main__":  # first: the imports below take seconds
     interrupt.while_starting("train.py: interrupted while starting, before anything was written; rerun the "
                              "same command")
 
-import argparse
 import functools
 import gc
 import json
@@ -42,7 +41,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from analysis import cosine_stats, row_cosines, stable_rank
-from checkpoint import (WRITE_LIMITS, Metrics, RunDirError, allocating, complete_checkpoints, diverged_hint, export,
+from checkpoint import (WRITE_LIMITS, Metrics, RunDirError, allocating, complete_checkpoints, diverged_hint,
                         naming, not_own_file, open_run_dir, resume_run, save_checkpoint, sigint_held)
 from configurator import configure, settings_help, unknown_key
 from data import TokenLoader, check_model_vocab, check_token_ids, data_fingerprint
@@ -50,9 +49,9 @@ from fileio import write_json
 from mfu import datasheet_peak, matmul_rate
 from init import format_report, init_model_
 from downstream import open_training_bench
-from loss import chunk_loss, chunked_cross_entropy, loss_tail_bytes
-from model import GPT, compile_once, config_for, load_varlen
-from rules import check_settings, decay_start
+from loss import chunk_loss, chunked_cross_entropy
+from model import GPT, compile_once
+from rules import check_settings, decay_start, grad_accum, model_config
 
 # ----------------------------------------------------------------------------- defaults
 _IMPORTED = set(globals())  # the settings are the names assigned below, not every public name imported above
@@ -275,26 +274,6 @@ def init_one_rank(device):
                             **({"device_id": device} if cuda else {}))
 
 
-def grad_accum(cfg, world):
-    per_step = cfg["batch_size"] * world
-    if cfg["global_batch"] % per_step:
-        raise ValueError(f"config: global_batch={cfg['global_batch']} is not a multiple of "
-                         f"batch_size*world_size={cfg['batch_size']}*{world}; change batch_size")
-    return cfg["global_batch"] // per_step
-
-
-def model_config(cfg, device_type):
-    """The GPTConfig of validated settings on device_type ("cuda" or "cpu"): attn_backend "auto" resolved, and
-    varlen's device and torch checks run, before any run folder exists."""
-    backend = cfg["attn_backend"]
-    if backend == "auto":
-        backend = "flex" if device_type == "cuda" else "sdpa"
-    mcfg = config_for(cfg["model_size"], **{"attn_backend": backend, **cfg["model"]})
-    if mcfg.attn_backend == "varlen":
-        load_varlen(mcfg, torch.device(device_type))
-    return mcfg
-
-
 def compile_model_(net):
     """torch.compile a GPT (or bench.py's plain GPT) in place for training: each block, the
     final norm and the per-chunk loss math. Parameter names do not change, so checkpoints, the
@@ -450,34 +429,6 @@ def matmul_now(device):
     return f"; bf16 matmuls reach {matmul_rate(device, torch.bfloat16, 8192, 20) / 1e12:.3g} TFLOP/s here now"
 
 
-def memory_estimate(net, mcfg, cfg, world, accum):
-    """Bytes per GPU on CUDA (bf16 compute), roughly: sharded fp32 state + gathered blocks +
-    activations + logits."""
-    n = sum(p.numel() for p in net.parameters())
-    compiled = cfg["compile"]
-    embed = sum(p.numel() for name, p in net.named_parameters() if name.startswith(("tok_emb.", "lm_head.")))
-    per_block = (n - embed) / mcfg.n_layer
-    act = 2  # bytes per bf16 activation value
-    tokens = cfg["batch_size"] * cfg["seq_len"]
-    parts = {
-        "params+grads+adam (fp32, sharded)": 16 * n / world,
-        # root params (embeddings/head) and ~2 blocks (current + prefetched) all-gathered
-        "gathered params": act * (embed + 2 * per_block),
-        # Bytes saved for backward per token, d_model and layer (no T x T scores: flex/sdpa are
-        # fused): ~34 with compiled blocks (Korthikanti et al.'s ~17 bf16 values), ~61 eager
-        # (measured on this model). With checkpointing each block keeps its input, plus one
-        # block's activations while it is recomputed.
-        "activations": tokens * mcfg.d_model * (
-            act * mcfg.n_layer + (34 if compiled else 61) if mcfg.activation_checkpointing
-            else (34 if compiled else 61) * mcfg.n_layer),
-        # The chunked loss: one chunk of logits at a time, and its saved gradients (model.py)
-        "loss (chunked logits, saved grads)": loss_tail_bytes(tokens, mcfg.d_model, mcfg.vocab_size, act),
-    }
-    if accum > 1:  # with sync off FSDP2 keeps unsharded fp32 gradients between micro-steps
-        parts["unsharded grads (accumulation)"] = 4 * n
-    return parts
-
-
 def memory_used(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -631,7 +582,11 @@ def load_config(argv):
 # ----------------------------------------------------------------------------- main
 def main(argv):
     if argv[:1] == ["export"]:
-        export_command(argv[1:])
+        from hf_export import export_command  # transformers only for --format hf
+        try:
+            export_command(argv[1:])
+        except KeyboardInterrupt as e:  # the export's line: what it left (nothing half-written)
+            raise Interrupted(str(e)) from None
         return
     if "--help" in argv or "-h" in argv:
         print(usage())
@@ -639,6 +594,7 @@ def main(argv):
     try:
         config = load_config(argv)  # runs the config files' code
         if config["dry_run"]:
+            from plan import print_plan  # the dry run's plan: FLOPs and memory per GPU, no data, no GPU
             print_plan(config, config["dry_run"])
             return
     except KeyboardInterrupt:
@@ -657,44 +613,7 @@ def main(argv):
         raise Interrupted(interrupted_line(config, step))
 
 
-def export_command(argv):
-    p = argparse.ArgumentParser(prog="train.py export", description="one file (pt) or a HF transformers folder (hf)")
-    p.add_argument("ckpt", help="checkpoint folder (hf: also a .pt export or a run folder)")
-    p.add_argument("out", help="pt: the file to write; hf: the folder")
-    p.add_argument("--format", choices=["pt", "hf"], default="pt", help="pt: one torch file; hf: a transformers folder")
-    p.add_argument("--tokenizer-dir", help="hf: offline tiktoken files (prepare_data.py --tokenizer-dir)")
-    a = p.parse_args(argv)
-    try:
-        if a.format == "pt":
-            export(a.ckpt, a.out)
-        else:
-            from hf_export import export_hf  # transformers/safetensors only when asked for
-            export_hf(a.ckpt, a.out, a.tokenizer_dir)
-    except KeyboardInterrupt:  # both write under a temporary name, removed on the way out, and rename it into place
-        raise Interrupted(f"interrupted: the export to {a.out} stopped before it finished; nothing is half-written, "
-                          f"the same command exports again") from None
 
-
-def print_plan(cfg, world):
-    mcfg = model_config(cfg, "cuda")
-    with torch.device("meta"):
-        net = GPT(mcfg)
-    accum = grad_accum(cfg, world)
-    counts = net.num_params()
-    tokens_step = cfg["global_batch"] * cfg["seq_len"]
-    fpt = net.flops_per_token(cfg["seq_len"])
-    mem = memory_estimate(net, mcfg, cfg, world, accum)
-    print(f"model {cfg['model_size']}: {counts['total']:,} params ({counts['active']:,} active, "
-          f"{counts['embedding']:,} embedding); {mcfg.n_layer} layers, d_model {mcfg.d_model}, "
-          f"{mcfg.n_head} heads, gate {mcfg.attn_gate}, norm_eps {mcfg.norm_eps:g}, gamma {cfg['gamma']}")
-    print(f"world {world}: batch {cfg['batch_size']} x {cfg['seq_len']} per rank, grad_accum {accum}, "
-          f"{tokens_step:,} tokens/step, {cfg['max_steps']:,} steps = {tokens_step * cfg['max_steps']:,} tokens")
-    print(f"FLOPs/token {fpt:.4g}; total {fpt * tokens_step * cfg['max_steps']:.3g} FLOPs")
-    for part, b in mem.items():
-        print(f"  {part:<36} {b / 2**30:8.2f} GiB")
-    print(f"memory/GPU (estimate, bf16 on CUDA)     {sum(mem.values()) / 2**30:8.2f} GiB")
-    return {"params": counts, "tokens_per_step": tokens_step, "grad_accum": accum,
-            "flops_per_token": fpt, "memory_bytes": sum(mem.values())}
 
 
 def close_distributed():

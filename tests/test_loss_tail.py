@@ -132,8 +132,9 @@ def test_dry_run_plan_books_the_chunked_loss(capsys):
     under 4 GiB: the full logits with their fp32 copies were booked at 21.4 GiB."""
     import os
     import train
+    from plan import print_plan
     cfg = train.load_config([os.path.join(os.path.dirname(bench.__file__), "config", "gamma1_1p5b.py")])
-    train.print_plan(cfg, 8)
+    print_plan(cfg, 8)
     line = next(s for s in capsys.readouterr().out.splitlines() if s.strip().startswith("loss"))
     mcfg = train.model_config(cfg, "cuda")
     want = loss_tail_bytes(cfg["batch_size"] * cfg["seq_len"], mcfg.d_model, mcfg.vocab_size, 2)

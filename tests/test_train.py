@@ -23,6 +23,7 @@ import torch
 
 import checkpoint
 import train
+from plan import print_plan
 from conftest import failure_text, launch_env
 from init import init_model_
 from model import GPT, GPTConfig
@@ -268,7 +269,7 @@ CONFIGS = sorted(glob.glob(os.path.join(ROOT, "config", "[!_]*.py")))
 def test_shipped_config_dry_run(path, capsys):
     cfg = train.load_config([path])
     cpu_config = os.path.basename(path).startswith(("anchor_", "tiny_", "cpu_"))
-    plan = train.print_plan(cfg, 1 if cpu_config else 8)
+    plan = print_plan(cfg, 1 if cpu_config else 8)
     mcfg = train.model_config(cfg, "cuda")
     assert plan["params"]["total"] == expected_params(mcfg)
     assert plan["tokens_per_step"] == cfg["global_batch"] * cfg["seq_len"]
