@@ -175,7 +175,7 @@ def train_run(cfg, preempted):
             peak, source = mfu_peak(cfg, device)
             log0(f"MFU against a peak of {peak / 1e12:.3g} TFLOP/s per device ({source}){matmul_now(device)}"
                  if peak else f"MFU not reported: {source}; set --peak_flops")
-            fpt = net.flops_per_token(cfg["seq_len"])
+            log_step = StepLog(cfg, metrics, device, net.flops_per_token(cfg["seq_len"]), peak * world, step)
             last_ckpt = resumed
             if not resumed:
                 metrics.record(evaluation(net, val_loader, cfg, device, step, track))
@@ -183,7 +183,7 @@ def train_run(cfg, preempted):
                     metrics.record(bench(net, step))
                 if 0 in cfg["keep_steps"]:
                     last_ckpt = save_and_record(cfg, step, net, opt, loader, meta, last_ckpt, metrics, " (the init)")
-            start, since, train_time = step, (step, 0.0), 0.0  # training time only: no eval/checkpoints
+            train_time = 0.0  # training time only: no eval/checkpoints
             while step < cfg["max_steps"]:
                 t0 = time.time()
                 lr = lr_at(cfg, step)
@@ -230,9 +230,8 @@ def train_run(cfg, preempted):
                 moe_counts = net.update_moe_bias(all_reduce=dist.all_reduce)
                 step += 1
                 train_time += time.time() - t0
-                # The first line is a sign of life before log_interval steps (minutes on CPU).
-                since = log_step(cfg, metrics, device, step, step == start + 1, since, train_time,
-                                 lr, loss_val, norm_val, moe_counts, aux_sum, fpt, peak * world)
+                log_step({"step": step, "loss": loss_val, "lr": lr, "grad_norm": norm_val}, train_time, moe_counts,
+                         aux_sum)
                 if step % cfg["eval_interval"] == 0 or step == cfg["max_steps"]:
                     metrics.record(evaluation(net, val_loader, cfg, device, step, track))
                 if bench and (step % cfg["bench_interval"] == 0 or step == cfg["max_steps"]):
@@ -498,34 +497,44 @@ def log0(*args):
         print(*args, flush=True)
 
 
-def log_step(cfg, metrics, device, step, first_line, since, train_time, lr, loss, norm, moe_counts, aux, fpt, peak):
-    """The log line after this launch's first step and every log_interval steps (and the last), a
-    metrics.jsonl row on the latter. since: the (step, training seconds) that throughput counts
-    from, returned moved to this step; peak: FLOP/s of all ranks (0: unknown, no MFU)."""
-    recorded = step % cfg["log_interval"] == 0 or step == cfg["max_steps"]  # metrics.jsonl keeps its interval
-    if not (recorded or first_line):
-        return since
-    tokens_step = cfg["global_batch"] * cfg["seq_len"]
-    tps = tokens_step * (step - since[0]) / (train_time - since[1])
-    row = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tps,
-           "mfu": fpt * tps / peak if peak else None, "mem_gib": memory_used(device),
-           "eta_s": eta_seconds(cfg, step, tokens_step / tps, metrics.spent), "tokens": step * tokens_step}
-    moe = ""
-    if moe_counts is not None:
-        load = moe_counts.float() / moe_counts.sum(-1, keepdim=True) * moe_counts.shape[-1]
-        row.update(expert_load=load.tolist(), aux_loss=aux.item())
-        moe = f" expert load max {load.max():.2f} aux {row['aux_loss']:.3g}"
-    mfu = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
-    # After the last step only the final evaluation and checkpoint remain: said so, not as "eta".
-    left = (f"final evaluation and checkpoint ~{row['eta_s'] / 60:.1f} min" if step == cfg["max_steps"]
-            else f"eta {row['eta_s'] / 60:.1f} min")
-    log0(f"step {step}/{cfg['max_steps']} loss {loss:.4f} lr {lr:.3g} grad norm {norm:.3g} {tps:,.0f} tok/s mfu {mfu} "
-         f"mem {row['mem_gib']:.2f} GiB {left}{moe}"
-         + (" (first step: compile and warm-up included)" if first_line else ""))
-    if recorded:
-        metrics.record(row)
-    # Moved on the first line too: else the next line's throughput averages in the first step's compile and warm-up.
-    return step, train_time
+class StepLog:
+    """The log line after this launch's first step (a sign of life before log_interval steps: minutes on
+    CPU) and every log_interval steps and the last, and a metrics.jsonl row on the latter. Throughput
+    counts from the previous line, so the first step's compile and warm-up stay on a line of their own.
+    peak: FLOP/s of all ranks (0: unknown, no MFU)."""
+
+    def __init__(self, cfg, metrics, device, flops_per_token, peak, step):
+        self.cfg, self.metrics, self.device = cfg, metrics, device
+        self.flops_per_token, self.peak = flops_per_token, peak
+        self.first, self.since = step + 1, (step, 0.0)  # the step and training seconds throughput counts from
+
+    def __call__(self, row, train_time, moe_counts=None, aux=None):
+        """row: the step's {"step", "loss", "lr", "grad_norm"}, completed here and recorded."""
+        cfg, step = self.cfg, row["step"]
+        recorded = step % cfg["log_interval"] == 0 or step == cfg["max_steps"]  # metrics.jsonl keeps its interval
+        if not (recorded or step == self.first):
+            return
+        tokens_step = cfg["global_batch"] * cfg["seq_len"]
+        tps = tokens_step * (step - self.since[0]) / (train_time - self.since[1])
+        row.update(tokens_per_s=tps, mfu=self.flops_per_token * tps / self.peak if self.peak else None,
+                   mem_gib=memory_used(self.device),
+                   eta_s=eta_seconds(cfg, step, tokens_step / tps, self.metrics.spent), tokens=step * tokens_step)
+        moe = ""
+        if moe_counts is not None:
+            load = moe_counts.float() / moe_counts.sum(-1, keepdim=True) * moe_counts.shape[-1]
+            row.update(expert_load=load.tolist(), aux_loss=aux.item())
+            moe = f" expert load max {load.max():.2f} aux {row['aux_loss']:.3g}"
+        mfu = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
+        # After the last step only the final evaluation and checkpoint remain: said so, not as "eta".
+        left = (f"final evaluation and checkpoint ~{row['eta_s'] / 60:.1f} min" if step == cfg["max_steps"]
+                else f"eta {row['eta_s'] / 60:.1f} min")
+        log0(f"step {step}/{cfg['max_steps']} loss {row['loss']:.4f} lr {row['lr']:.3g} grad norm "
+             f"{row['grad_norm']:.3g} {tps:,.0f} tok/s mfu {mfu} mem {row['mem_gib']:.2f} GiB {left}{moe}"
+             + (" (first step: compile and warm-up included)" if step == self.first else ""))
+        if recorded:
+            self.metrics.record(row)
+        # Moved on the first line too: else the next line's throughput averages in the first step's compile.
+        self.since = step, train_time
 
 
 def eta_seconds(cfg, step, step_s, spent):

@@ -697,7 +697,7 @@ def test_log_line_mfu_and_time_left(monkeypatch):
     lines = []
     monkeypatch.setattr(train, "log0", lines.append)
 
-    class Metrics:  # what log_step reads and writes of checkpoint.Metrics
+    class Metrics:  # what StepLog reads and writes of checkpoint.Metrics
         spent = {"eval_s": [30.0], "bench_s": [], "ckpt_s": [6.0]}
         record = [].append
 
@@ -705,7 +705,10 @@ def test_log_line_mfu_and_time_left(monkeypatch):
            "ckpt_interval": 4, "keep_steps": [], "bench_interval": 0}
     cpu = torch.device("cpu")
     for step, peak in ((2, 0.0), (4, 1e6)):  # 128 tokens in 1 s, 4,000 FLOPs a token
-        train.log_step(cfg, Metrics, cpu, step, False, (step - 1, 0.0), 1.0, 1e-3, 2.0, 1.0, None, None, 4000.0, peak)
+        log_step = train.StepLog(cfg, Metrics, cpu, 4000.0, peak, step - 2)
+        log_step({"step": step - 1, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0}, 1.0)  # the launch's first line
+        del lines[-1]
+        log_step({"step": step, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0}, 2.0)
     # Step 2: steps 3-4 at 1 s, then step 4's evaluation (30 s) and checkpoint (6 s): 38 s.
     assert "mfu n/a" in lines[0] and lines[0].endswith("eta 0.6 min")
     # The last step: 512,000 FLOP/s against a 1e6 peak; only the final evaluation and checkpoint left.

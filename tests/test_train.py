@@ -521,10 +521,9 @@ def test_throughput_after_the_first_line_leaves_out_the_first_step(monkeypatch):
     metrics = type("Rows", (), {"spent": {"eval_s": [], "bench_s": [], "ckpt_s": []},
                                 "record": staticmethod(recorded.append)})()
     cfg = train.load_config([*TINY, "--log_interval=4", "--max_steps=100"])
-    since = (0, 0.0)
+    log_step = train.StepLog(cfg, metrics, torch.device("cpu"), 1.0, 0.0, 0)
     for step, seconds in ((1, 7.0), (2, 8.0), (3, 9.0), (4, 10.0)):
-        since = train.log_step(cfg, metrics, torch.device("cpu"), step, step == 1, since, seconds,
-                               1e-3, 5.0, 1.0, None, None, 1.0, 0.0)
+        log_step({"step": step, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0}, seconds)
     assert [line.split()[1] for line in printed] == ["1/100", "4/100"]
     assert f"{128 / 7:,.0f} tok/s" in printed[0] and f"{128:,.0f} tok/s" in printed[1]
     assert [row["step"] for row in recorded] == [4] and recorded[0]["tokens_per_s"] == pytest.approx(128.0)
