@@ -1,0 +1,70 @@
+"""results/factorial.py against hand computations: arms whose losses are known per seed, so each contrast's
+per-seed values, mean, std and 95% interval are known in advance; an arm enters only once its seeds 1-2 ran
+at its seed-0 best lr."""
+import importlib.util
+import math
+import os
+
+import pytest
+
+from fileio import write_json
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("factorial", os.path.join(ROOT, "results", "factorial.py"))
+factorial = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(factorial)
+
+BASE = {"A": 1.70, "B": 1.80, "C": 1.72, "D": 1.71, "F": 1.74, "G": 1.75}  # each arm's loss at seed 0 ...
+SEED_SHIFT = {"A": (0.0, 0.01, 0.02), "B": (0.0, 0.02, 0.01), "C": (0.0, 0.01, 0.03), "D": (0.0, 0.0, 0.0),
+              "F": (0.0, 0.03, 0.02), "G": (0.0, 0.01, 0.02)}  # ... plus these at seeds 0, 1, 2
+
+
+def row(arm, seed, loss, lr, d=128):
+    return {"point": f"{arm}-{seed}-{lr}", "arm": arm, "seed": seed, "config": {"model": {"d_model": d}, "lr": lr},
+            "eval": {"loss": {"summary": {"loss": loss}}}}
+
+
+@pytest.fixture
+def study(tmp_path, monkeypatch):
+    monkeypatch.setattr(factorial, "HERE", str(tmp_path))
+    files = {}
+    for arm, (_, (grid, grid_arm), (rest, rest_arm), _) in factorial.ARMS.items():
+        loss = BASE[arm]
+        # the seed-0 grid: the best at 5e-3, a worse one either side (and, in A's and B's files, width 96's rows)
+        files.setdefault(grid, []).extend([row(grid_arm, 0, loss, 5e-3), row(grid_arm, 0, loss + 0.05, 3e-3),
+                                           row(grid_arm, 0, loss + 0.04, 1e-2)]
+                                          + [row(grid_arm, 0, loss - 1, 5e-3, 96)] * (arm in "AB"))
+        files.setdefault(rest, []).extend(row(rest_arm, s, loss + SEED_SHIFT[arm][s], 5e-3) for s in (1, 2))
+    for name, rows in files.items():
+        write_json(str(tmp_path / name), {"rows": rows})
+    return tmp_path
+
+
+def by_hand(terms):
+    values = [sum(sign * (BASE[arm] + SEED_SHIFT[arm][s]) for sign, arm in terms) for s in (0, 1, 2)]
+    mean = sum(values) / 3
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / 2)
+    return values, mean, std, 4.303 * std / math.sqrt(3)  # t(0.975, df 2) from tables
+
+
+def test_every_contrast_is_the_hand_computed_one(study):
+    rows = {arm: factorial.arm_rows(arm, "explore") for arm in factorial.ARMS}
+    assert all(len(found) == 3 and found[0]["config"]["lr"] == 5e-3 for found in rows.values())
+    for name, _, terms in factorial.CONTRASTS:
+        values, mean, std, half = by_hand(terms)
+        assert list(factorial.contrast(terms, rows).values()) == pytest.approx(values), name
+    lines = factorial.report()
+    # the interaction by hand: (F - A) - (B - C) = (1.74 - 1.70) - (1.80 - 1.72) = -0.04 at seed 0, then -0.03, -0.02
+    values, mean, std, half = by_hand(factorial.CONTRASTS[5][2])
+    assert values == pytest.approx([-0.04, -0.03, -0.02])
+    assert f"| (F − A) − (B − C) | the gate helps γ=1 more than γ=0.5 | 3 | {mean:+.4f} ± {std:.4f} " \
+        f"[{mean - half:+.4f}, {mean + half:+.4f}] |" in lines
+    assert (study / "report_factorial.md").exists()
+
+
+def test_an_arm_enters_once_its_seeds_ran_at_its_best_lr(study):
+    write_json(str(study / "factorial.json"), {"rows": []})  # C, D, F, G: only their grids so far
+    assert [arm for arm in factorial.ARMS if factorial.arm_rows(arm, "explore")] == ["A", "B"]
+    write_json(str(study / "factorial.json"), {"rows": [row("C_gamma05", 1, 1.7, 1e-2)]})
+    with pytest.raises(AssertionError, match="ran at lr 0.01, its seed-0 best is 0.005"):
+        factorial.arm_rows("C", "explore")
