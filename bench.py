@@ -47,6 +47,7 @@ from init import init_model_
 from loss import chunked_cross_entropy
 from model import GPT, MLP, SIZES, Attention, GPTConfig
 from fileio import atomic_write_bytes, check_outputs
+from optim import build_optimizer
 from mfu import datasheet_peak, matmul_rate, synchronize
 from report import cpu_name
 import train
@@ -221,6 +222,7 @@ class Variant:
     gamma: float = 1.0
     compile: bool = False                       # train.compile_model_, as train.py compiles
     fsdp: bool = False                          # train.build_model's model: FSDP2, fp32 weights
+    optimizer: str = "adamw"                    # train.py's optimizer setting, built by optim.build_optimizer
 
     @property
     def full_name(self):
@@ -256,6 +258,8 @@ def common_variants(g, compile, attn):
         Variant("gelu", "GELU MLP instead of SwiGLU (same parameters)", g, dict(mlp="gelu"), compile=compile),
         Variant(f"attn-{attn}", f"{attn} attention backend", g, dict(attn_backend=attn), compile=compile),
         Variant("gamma-0.5", "γ=0.5 init: other weights, the same step", g, gamma=0.5, compile=compile),
+        Variant("muon", "optimizer='muon': Muon on the blocks' matrices, AdamW on the rest", g, optimizer="muon",
+                compile=compile),
         # Each of model.GPT's forms against another one, one at a time (the same values): what a
         # fast path saves, or what a form not taken would (fused GEMMs, taken on neither device
         # until a GPU run measures them). The RoPE forms only eager: compiled, inductor fuses
@@ -412,7 +416,7 @@ class Runner:
         self.flops_per_token = self.model.flops_per_token(v.group.seq_len)
         self.params = self.model.num_params()
         self.model.train()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1, fused=device.type == "cuda")
+        self.opt = build_optimizer(self.model, {**train.DEFAULTS, "optimizer": v.optimizer}, device)  # train.py's
         gen = torch.Generator().manual_seed(0)
         vocab = self.model.lm_head.out_features
         tokens = torch.randint(vocab, (v.group.batch, v.group.seq_len + 1), generator=gen).to(device)

@@ -683,12 +683,14 @@ def recorded_settings(saved_meta):
 
 
 def experiment_changes(saved_meta, cfg, data_fp, experiment):
-    """{setting: {"was", "now"}} of the settings named in experiment (train.EXPERIMENT) and the data,
-    between a checkpoint and this run. Data is compared by content
+    """{setting: {"was", "now"}} of the settings in experiment ({name: default}, train.EXPERIMENT's) and the
+    data, between a checkpoint and this run. A setting the checkpoint's run predates counts as its default:
+    the code before the setting existed did what its default does. Data is compared by content
     (data.data_fingerprint), so a refilled folder of the same size is caught; checkpoints
     written before fingerprints existed are compared on settings only."""
     was, now = recorded_settings(saved_meta), json.loads(json.dumps(cfg))  # as saved: tuples are lists
-    changes = {k: {"was": was.get(k), "now": now[k]} for k in experiment if was.get(k) != now[k]}
+    was = {k: was.get(k, v) for k, v in json.loads(json.dumps(experiment)).items()}
+    changes = {k: {"was": was[k], "now": now[k]} for k in experiment if was[k] != now[k]}
     if saved_meta.get("data_fingerprint") not in (None, data_fp):
         changes["data"] = {"was": saved_meta["data_fingerprint"][:12], "now": data_fp[:12]}
     return changes
@@ -833,9 +835,9 @@ def save_checkpoint(cfg, step, net, opt, loader, meta, last_good):
     try:
         model_sd, optim_sd = get_state_dict(net, opt)
         if fresh_optimizer:
-            # get_state_dict materialises AdamW's state by a zero-gradient step, which counts as
+            # get_state_dict materialises the optimizer's state by a zero-gradient step, which counts as
             # step 1: left in place, saving the init would shift every later bias correction.
-            opt.state.clear()
+            opt.clear_state()
         dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
         # RNG streams differ per rank, so they can't be DCP entries (which are deduplicated).
         rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
@@ -951,7 +953,7 @@ def load_checkpoint(path, meta, net, opt, loader, cfg_weight_decay, verify=True)
     dcp_load(state, path)  # DCP reshards when the world size changed
     set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if meta["step"] == 0:
-        opt.state.clear()  # the init checkpoint's optimizer is fresh (see save_checkpoint)
+        opt.clear_state()  # the init checkpoint's optimizer is fresh (see save_checkpoint)
     for group in opt.param_groups:  # the config's weight decay wins over the checkpoint's (sweeps)
         group["weight_decay"] = cfg_weight_decay[group["name"]]
     try:

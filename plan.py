@@ -7,6 +7,7 @@ import torch
 
 from loss import loss_tail_bytes
 from model import GPT
+from optim import muon_takes
 from rules import grad_accum, model_config
 
 
@@ -39,10 +40,13 @@ def memory_estimate(net, mcfg, cfg, world, accum):
     compiled = cfg["compile"]
     embed = sum(p.numel() for name, p in net.named_parameters() if name.startswith(("tok_emb.", "lm_head.")))
     per_block = (n - embed) / mcfg.n_layer
+    # AdamW keeps two fp32 moments per parameter; Muon one momentum buffer per matrix it takes (optim.py).
+    muon = sum(p.numel() for name, p in net.named_parameters()
+               if cfg["optimizer"] == "muon" and muon_takes(name, p))
     act = 2  # bytes per bf16 activation value
     tokens = cfg["batch_size"] * cfg["seq_len"]
     parts = {
-        "params+grads+adam (fp32, sharded)": 16 * n / world,
+        "params+grads+optimizer (fp32, sharded)": (16 * n - 4 * muon) / world,
         # root params (embeddings/head) and ~2 blocks (current + prefetched) all-gathered
         "gathered params": act * (embed + 2 * per_block),
         # Bytes saved for backward per token, d_model and layer (no T x T scores: flex/sdpa are

@@ -11,6 +11,7 @@ import torch
 
 from init import GAMMA_MAX, check_overrides
 from model import ATTN_BACKENDS, GPT, config_for, load_varlen
+from optim import OPTIMIZERS
 
 SCHEDULES = ("cosine", "wsd")
 FP32 = torch.finfo(torch.float32)  # AdamW's state and the parameters it updates (bf16 is only a compute copy)
@@ -23,6 +24,10 @@ def check_settings(c):
 
     if c["schedule"] not in SCHEDULES:
         refuse(f"schedule={c['schedule']!r}: choose one of {SCHEDULES}")
+    if c["optimizer"] not in OPTIMIZERS:
+        refuse(f"optimizer={c['optimizer']!r}: choose one of {', '.join(OPTIMIZERS)}")
+    if not 0 <= c["muon_momentum"] < 1:
+        refuse(f"muon_momentum={c['muon_momentum']} must be in [0, 1), e.g. 0.95")
     if c["attn_backend"] not in ("auto", *ATTN_BACKENDS):
         refuse(f"attn_backend={c['attn_backend']!r}: choose one of {', '.join(('auto', *ATTN_BACKENDS))}")
     for k in ("seq_len", "global_batch", "batch_size", "max_steps", "log_interval", "eval_interval", "eval_batches",

@@ -51,6 +51,7 @@ from init import format_report, init_model_
 from downstream import open_training_bench
 from loss import chunk_loss, chunked_cross_entropy
 from model import GPT, compile_once
+from optim import build_optimizer
 from rules import check_settings, decay_start, grad_accum, model_config
 
 # ----------------------------------------------------------------------------- defaults
@@ -80,9 +81,11 @@ seq_len = 256                   # tokens per sequence
 global_batch = 32               # sequences per optimizer step, all ranks together
 batch_size = 32                 # sequences per forward on one rank (micro-batch)
 max_steps = 1000                # optimizer steps
-# optimizer: AdamW with one parameter group per kind of parameter
-lr = 1e-3                       # peak learning rate, reached after warmup_steps
+# optimizer (optim.py): one parameter group per kind of parameter
+optimizer = "adamw"             # "adamw"; or "muon": torch.optim.Muon on the blocks' 2-D matrices, AdamW on the rest
+lr = 1e-3                       # peak learning rate, reached after warmup_steps (Muon's scaled to AdamW's RMS)
 betas = (0.9, 0.95)             # AdamW's moment decays
+muon_momentum = 0.95            # optimizer="muon": Muon's (Nesterov) momentum
 adam_eps = 1e-8                 # AdamW's denominator floor, at least float32's smallest normal (1.2e-38)
 weight_decay = {"matrix": 0.1, "embed": 0.0, "norm": 0.0}   # decoupled, times lr
 grad_clip = 1.0                 # max global grad norm; 0 disables clipping (norm still logged)
@@ -123,9 +126,11 @@ DEFAULTS = {k: v for k, v in globals().items()
             if k not in _IMPORTED and not k.startswith("_") and type(v) in (int, float, bool, str, list, tuple, dict)}
 # The settings that define the experiment (the model's, which a resume compares too, aside): resumed with another
 # value, a run would become a different arm under the old one's name, so a resume refuses the change unless
-# allow_resume_changes (then it is recorded). A new setting of the loop that changes what is trained goes here.
-EXPERIMENT = ("gamma", "init_overrides", "seed", "global_batch", "seq_len", "lr", "betas", "adam_eps",
-              "weight_decay", "grad_clip", "schedule", "warmup_steps", "max_steps", "min_lr_ratio", "decay_frac")
+# allow_resume_changes (then it is recorded). A new setting of the loop that changes what is trained goes here;
+# a checkpoint older than a setting counts as having run its default.
+EXPERIMENT = {k: DEFAULTS[k] for k in ("gamma", "init_overrides", "seed", "global_batch", "seq_len", "optimizer", "lr",
+                                       "betas", "adam_eps", "muon_momentum", "weight_decay", "grad_clip", "schedule",
+                                       "warmup_steps", "max_steps", "min_lr_ratio", "decay_frac")}
 
 
 # SIGTERM and SIGUSR1 are a scheduler's notice that it will kill the job (SLURM's scancel and
@@ -162,7 +167,7 @@ def train_run(cfg, preempted):
     bench = open_bench(cfg, mcfg)  # before the run folder exists: a bad bench_* setting is one line
     done = open_run_dir(cfg["out_dir"], cfg["resume"], rank, log0)
     net, init_report = build_model(cfg, mcfg, device)
-    opt = make_optimizer(net, cfg, device)
+    opt = build_optimizer(net, cfg, device)
     track = tracked_weights(net, cfg, mcfg.n_layer)
     step, resumed, changes, meta = resume_run(cfg, EXPERIMENT, done, net, opt, loader, mcfg, data_fp, log0)
     save_config(cfg, rank, meta, None if resumed else init_report)
@@ -324,22 +329,6 @@ def mixed_precision(device):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.type == "cuda" else MixedPrecisionPolicy()
     return replace(mp, cast_forward_inputs=False), mp
-
-
-def param_groups(net, cfg):
-    """matrix: weights inside blocks (incl. MoE experts and router); embed: tok_emb and lm_head;
-    norm: 1-d gains. Each group has its own decoupled weight decay (the γ=1 recipe pairs small
-    init with larger decay on matrices, so it is swept per group)."""
-    groups = {name: [] for name in cfg["weight_decay"]}
-    for name, p in net.named_parameters():
-        kind = "norm" if p.dim() < 2 else "embed" if name.startswith(("tok_emb.", "lm_head.")) else "matrix"
-        groups[kind].append(p)
-    return [{"name": k, "params": ps, "weight_decay": cfg["weight_decay"][k]} for k, ps in groups.items() if ps]
-
-
-def make_optimizer(net, cfg, device):
-    return torch.optim.AdamW(param_groups(net, cfg), lr=cfg["lr"], betas=cfg["betas"], eps=cfg["adam_eps"],
-                             fused=device.type == "cuda")
 
 
 def open_data(cfg, mcfg, rank, world):

@@ -217,7 +217,7 @@ def test_all_finite_sees_one_nan_in_optimizer_state():
 WITH_A_NEW_EXPERIMENT_SETTING = """
 import sys
 import train
-train.EXPERIMENT += ("eval_batches",)
+train.EXPERIMENT["eval_batches"] = train.DEFAULTS["eval_batches"]
 try:
     train.main(sys.argv[1:])
 except Exception as e:
@@ -244,6 +244,10 @@ def test_resume_refuses_a_different_experiment(run6, data_dir, tmp_path):  # noq
     meta = meta_of(run)
     fp = data_fingerprint(data_dir, load_meta(data_dir))
     assert checkpoint.experiment_changes(meta, train.load_config(base), fp, train.EXPERIMENT) == {}
+    older = {**meta, "config": {k: v for k, v in meta["config"].items() if k != "optimizer"}}  # before the setting
+    assert checkpoint.experiment_changes(older, train.load_config(base), fp, train.EXPERIMENT) == {}
+    assert checkpoint.experiment_changes(older, train.load_config([*base, "--optimizer=muon"]), fp,
+                                         train.EXPERIMENT) == {"optimizer": {"was": "adamw", "now": "muon"}}
     changed = train.load_config([*base, "--weight_decay.matrix=1.0"])
     assert checkpoint.experiment_changes(meta, changed, fp, train.EXPERIMENT) == {"weight_decay": {
         "was": {"matrix": 0.1, "embed": 0.0, "norm": 0.0}, "now": {"matrix": 1.0, "embed": 0.0, "norm": 0.0}}}

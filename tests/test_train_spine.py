@@ -20,6 +20,8 @@ GAMMA = ("is outside 0 < γ <= 3: at γ <= 0 weights do not shrink with width, a
 # (arguments, the whole error), the lines as the settings check printed them before it became a table.
 BAD = [
     (["--schedule=linear"], "schedule='linear': choose one of ('cosine', 'wsd')"),
+    (["--optimizer=sgd"], "optimizer='sgd': choose one of adamw, muon"),
+    (["--muon_momentum=1.0"], "muon_momentum=1.0 must be in [0, 1), e.g. 0.95"),
     (["--attn_backend=flash"], "attn_backend='flash': choose one of auto, flex, sdpa, eager, varlen"),
     *[([f"--{k}=0"], f"{k}=0 must be >= 1") for k in ("seq_len", "global_batch", "batch_size", "max_steps",
                                                        "log_interval", "eval_interval", "eval_batches",
