@@ -113,6 +113,21 @@ tune_lr() {  # tune_lr NAME ARM=SETTINGS D LR,LR,LR: the arm's lr on seed 0 into
     done
 }
 
+explored_mean() {  # explored_mean GRID ARM REST REST_ARM [D]: the mean eval loss over seeds 0-2: seed 0 at ARM's
+    # best lr in GRID (at width D), seeds 1 and 2 as REST_ARM in REST; fails while any of them is missing
+    python - "$@" <<'PY'
+import json, sys
+grid, arm, rest, rest_arm = sys.argv[1:5]
+width = int(sys.argv[5]) if len(sys.argv) > 5 else None
+loss = lambda r: r["eval"]["loss"]["summary"]["loss"]
+seed0 = [r for r in json.load(open(grid))["rows"] if r["arm"] == arm and width in (None, r["config"]["model"]["d_model"])]
+others = [r for r in json.load(open(rest))["rows"] if r["arm"] == rest_arm and r["seed"] in (1, 2)]
+if not seed0 or len(others) != 2:
+    sys.exit(1)
+print(sum(map(loss, [min(seed0, key=loss)] + others)) / 3)
+PY
+}
+
 scale_points() {  # scale_points ARM SEED|mean: N=loss per width, N the non-embedding parameters
     python - "$@" <<'PY'
 import json, statistics, sys
@@ -128,7 +143,7 @@ print(" ".join(f"{n}={statistics.mean(v)!r}" for n, v in sorted(by_n.items())))
 PY
 }
 
-ALL="data lr settings layernorm gamma analyses budget wd scale moe lr_width lr_fine gamma_fine settings_fine confirm report confirm_report eps_regime eps_regime_report eps_claim1 scale_wide confirm_wide scale_wide_report factorial depth"
+ALL="data lr settings layernorm gamma analyses budget wd scale moe lr_width lr_fine gamma_fine settings_fine confirm report confirm_report eps_regime eps_regime_report eps_claim1 scale_wide confirm_wide scale_wide_report factorial confirm_factorial depth"
 # The confirmation runs of results/confirm.md: seeds never run in the exploration, every setting
 # fixed there (the lrs are typed, not re-chosen by best_lr), in the order the claims are listed.
 CONFIRM_SEEDS=100,101,102,103,104,105
@@ -326,6 +341,28 @@ factorial)
         arms+=(--arm "$arm,lr=$(best_lr results/factorial_lr_${arm%%=*}.json ${arm%%=*})")
     done
     $SWEEP --name factorial --seeds 1,2 "${arms[@]}"
+    ;;
+confirm_factorial)
+    # results/confirm_factorial.md (issue 45): C and F on seeds 100-105 at their seed-0 best lrs, one seed more per
+    # sweep call (C 100, F 100, C 101, ...) so a stop leaves whole pairs; then D, if its seeds 0-2 put it within
+    # 0.01 of the recipe or ahead (mean D - A <= +0.01). A and B's seeds 100-105 are confirm_wide's.
+    [ -n "$(git rev-list -1 --all -- results/confirm_factorial.md)" ] || { echo "commit results/confirm_factorial.md first" >&2; exit 1; }
+    arm_128() { echo "--arm $1,model.d_model=128,max_steps=1200,warmup_steps=120,lr=$(best_lr results/factorial_lr_${1%%=*}.json ${1%%=*})"; }
+    arms=($(arm_128 C_gamma05=,gamma=0.5) $(arm_128 F_nogate=,model.attn_gate=none))
+    seeds=
+    for s in ${CONFIRM_SEEDS//,/ }; do
+        seeds+=${seeds:+,}$s
+        $SWEEP --name confirm_factorial --seeds $seeds "${arms[@]}"
+    done
+    a=$(explored_mean results/scale_wide_lr_recipe.json recipe results/scale_wide.json recipe_d128 128) &&
+        d=$(explored_mean results/factorial_lr_D_gamma075.json D_gamma075 results/factorial.json D_gamma075) ||
+        { echo "D's seeds 0-2 have not all run (cpu_lm.sh factorial): D's place in the confirmation waits" >&2; exit 1; }
+    if awk -v a=$a -v d=$d 'BEGIN { printf "D - A over seeds 0-2: %+.4f: ", d - a; exit !(d - a <= 0.01) }'; then
+        echo "D joins"
+        $SWEEP --name confirm_factorial --seeds $CONFIRM_SEEDS "${arms[@]}" $(arm_128 D_gamma075=,gamma=0.75)
+    else
+        echo "D does not join"
+    fi
     ;;
 depth)
     # 8e. Depth at equal size (issue 45, item 4): the recipe and the baseline with 4 layers at width 96,
