@@ -29,7 +29,6 @@ import argparse
 import fnmatch
 import json
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -635,7 +634,7 @@ def one_rank(device, needed):
     try:
         yield
     finally:
-        if train.close_distributed():  # a Ctrl-C held back while the group was torn down
+        if interrupt.close_process_group():  # a Ctrl-C held back while the group was torn down
             raise KeyboardInterrupt
 
 
@@ -749,12 +748,5 @@ def check_json_out(path):
 
 
 if __name__ == "__main__":
-    interrupt.started()  # from here Ctrl-C is KeyboardInterrupt
-    try:
-        sys.exit(main())
-    except ValueError as e:
-        sys.exit(f"bench.py: {e}")
-    except KeyboardInterrupt:
-        sys.stderr.write("bench.py: interrupted; --json-out holds only the groups finished before it, run the same "
-                         "command again\n")
-        raise SystemExit(128 + signal.SIGINT) from None
+    interrupt.run(main, "bench.py: interrupted; --json-out holds only the groups finished before it, run the same "
+                        "command again", errors=(ValueError,), line=lambda e: f"bench.py: {e}")

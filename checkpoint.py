@@ -29,11 +29,9 @@ import pickle
 import re
 import resource
 import shutil
-import signal
 import stat
 import subprocess
 import sys
-import threading
 import warnings
 import zipfile
 import contextlib
@@ -625,26 +623,6 @@ def lock_run_dir(run_dir):
     return fd
 
 
-@contextmanager
-def sigint_held(deliver=True):
-    """SIGINT held back for the block; yields the list of those that came. deliver: each goes, at the end, to the
-    handler that was there before (a KeyboardInterrupt raised there); else the caller decides what they mean.
-    A swapped handler, not a blocked signal: the kernel would hand a signal blocked in this thread to another one
-    (torch's workers), whose C handler still makes Python raise it here. Only the main thread sees
-    KeyboardInterrupt, so elsewhere there is nothing to hold."""
-    caught = []
-    if threading.current_thread() is not threading.main_thread():
-        yield caught
-        return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        yield caught
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if caught and deliver:
-            signal.raise_signal(signal.SIGINT)
-
-
 def all_finite(net, opt):
     """True on every rank iff every parameter and optimizer-state tensor is finite: one fused
     max-abs per tensor list (local shards), one all-reduce. A NaN written by an update whose loss
@@ -927,9 +905,17 @@ def export_write_error(error, out, need_bytes):
 
 def write_limit_error(error, path, need_bytes):
     """The one-line OSError for a write of path (a file or folder) that failed on a write limit (write_limit, need_bytes
-    about what it writes), else None: train.py's error_line says what was hit and what to do."""
+    about what it writes), else None: write_error_line says what was hit and what to do."""
     hit = write_limit([error], os.path.dirname(os.path.abspath(path)), need_bytes)
     return None if hit is None else OSError(hit, WRITE_LIMITS[hit][0], path)
+
+
+def write_error_line(e):
+    """The one line an OSError gets: a write limit names what was hit and the file, the rest as the OS says it."""
+    if e.errno in WRITE_LIMITS and e.filename:
+        what, fix = WRITE_LIMITS[e.errno]
+        return f"{what} writing {e.filename}: {fix[0].lower() + fix[1:]} and rerun (files written before are intact)"
+    return e.strerror if e.strerror and not e.filename else str(e)
 
 
 def limit_detail(hit, folder):

@@ -31,7 +31,6 @@ import argparse
 import math
 import os
 import re
-import signal
 import sys
 
 import numpy as np
@@ -776,9 +775,8 @@ def main(argv=None):
         raise SystemExit(2) from None
     except KeyboardInterrupt:
         # Every file is written whole or not at all (fileio.atomic_open removes its temporary).
-        print(f"interrupted: eval.py {args.command} stopped before it finished; nothing is half-written, "
-              "run the same command again for its results", file=sys.stderr)
-        raise SystemExit(128 + signal.SIGINT) from None
+        raise interrupt.Interrupted(f"interrupted: eval.py {args.command} stopped before it finished; nothing is "
+                                    "half-written, run the same command again for its results") from None
 
 
 def run_command(args):
@@ -806,10 +804,5 @@ def run_command(args):
 
 
 if __name__ == "__main__":
-    interrupt.started()  # from here Ctrl-C is KeyboardInterrupt, which main turns into its line
-    try:
-        main()
-    except KeyboardInterrupt:  # after main's own handling ended: its result was written, the outcome decided
-        pass
-    finally:
-        interrupt.decided()
+    interrupt.run(main, "interrupted: eval.py stopped; nothing is half-written, run the same command again for its "
+                        "results")

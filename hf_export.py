@@ -26,9 +26,10 @@ import sys
 import tempfile
 from dataclasses import fields
 
-from checkpoint import check_export_parent, export, export_write_error, load_model, sigint_held
+from checkpoint import check_export_parent, export, export_write_error, load_model
 from data import get_tokenizer
 from fileio import file_kind
+from interrupt import Interrupted, sigint_held
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 MODELING_FILE = "modeling_smallinit.py"
@@ -362,5 +363,5 @@ def export_command(argv):
         else:
             export_hf(a.ckpt, a.out, a.tokenizer_dir)
     except KeyboardInterrupt:  # both write under a temporary name, removed on the way out, and rename it into place
-        raise KeyboardInterrupt(f"interrupted: the export to {a.out} stopped before it finished; nothing is "
-                                f"half-written, the same command exports again") from None
+        raise Interrupted(f"interrupted: the export to {a.out} stopped before it finished; nothing is "
+                          f"half-written, the same command exports again") from None

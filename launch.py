@@ -15,6 +15,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
+from interrupt import Interrupted
+
 
 # The running child processes (a sweep's points, the quickstart's steps), for stop_children. Each
 # runs in its own session (process group): a signal sent to the launcher's group (Ctrl-C in a
@@ -96,8 +98,8 @@ class Stopped(BaseException):
 
 def stoppable(main, stopped_line):
     """main() with STOP_SIGNALS stopping it: the children still running when it ends in any exception are
-    stopped and waited for (no orphan keeps training), and a signal ends the process with one line,
-    stopped_line.format(signal=its name), and the shell's 128 + its number. Only the first signal raises:
+    stopped and waited for (no orphan keeps training), and a signal ends it in Interrupted, whose line is
+    stopped_line.format(signal=its name) and status the shell's 128 + its number. Only the first signal raises:
     a second Ctrl-C can't cut the stopping of the children short."""
     stopping = []  # not empty once a signal has arrived or main() has ended in an exception
 
@@ -114,8 +116,7 @@ def stoppable(main, stopped_line):
         stop_children()
         if not isinstance(e, Stopped):
             raise
-        print(stopped_line.format(signal=signal.Signals(e.signum).name), file=sys.stderr, flush=True)
-        sys.exit(128 + e.signum)
+        raise Interrupted(stopped_line.format(signal=signal.Signals(e.signum).name), e.signum) from None
 
 
 @contextmanager

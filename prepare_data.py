@@ -1466,17 +1466,16 @@ STOPPED_BY = []
 
 def cli(argv=None):
     """main as the command line runs it: Ctrl-C, SIGTERM or SIGHUP is one line (no traceback) and the
-    shell's 128 + the signal's number."""
+    shell's 128 + the signal's number (interrupt.run says them)."""
     for stop_signal in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(stop_signal, stopped_by)
     try:
         main(argv)
     except Interrupted as e:
         signum = STOPPED_BY[0] if STOPPED_BY else signal.SIGINT
-        print(e if signum == signal.SIGINT else f"{signal.Signals(signum).name}: {e}", file=sys.stderr)
-        sys.exit(128 + signum)
+        raise interrupt.Interrupted(str(e) if signum == signal.SIGINT else f"{signal.Signals(signum).name}: {e}",
+                                    signum) from None
 
 
 if __name__ == "__main__":
-    interrupt.started()  # from here Ctrl-C is KeyboardInterrupt, which main turns into its line
-    cli()
+    interrupt.run(cli, "interrupted before anything was written")

@@ -274,9 +274,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        stoppable(main, "quickstart: stopped by {signal}, and the runs it had started with it; the same command "
-                        "starts it over")
+    STOPPED = "quickstart: stopped by {signal}, and the runs it had started with it; the same command starts it over"
     # train.py's config check (config_overrides), an output path in the way, a damaged result: one line
-    except (ValueError, RunDirError) as e:
-        raise SystemExit(f"quickstart: {e}") from None
+    interrupt.run(lambda: stoppable(main, STOPPED), STOPPED.format(signal="SIGINT"), errors=(ValueError, RunDirError),
+                  line=lambda e: f"quickstart: {e}")

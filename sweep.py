@@ -424,4 +424,5 @@ def run_all(args, pending, todo):
 
 
 if __name__ == "__main__":
-    stoppable(main, "sweep: stopped by {signal}, and its running points with it; the same command resumes the sweep")
+    STOPPED = "sweep: stopped by {signal}, and its running points with it; the same command resumes the sweep"
+    interrupt.run(lambda: stoppable(main, STOPPED), STOPPED.format(signal="SIGINT"))

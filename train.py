@@ -23,7 +23,6 @@ if __name__ == "__main__":  # first: the imports below take seconds
                              "same command")
 
 import functools
-import gc
 import json
 import math
 import os
@@ -31,18 +30,16 @@ import resource
 import signal
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from analysis import cosine_stats, row_cosines, stable_rank
-from checkpoint import (WRITE_LIMITS, Metrics, RunDirError, allocating, complete_checkpoints, diverged_hint,
-                        naming, not_own_file, open_run_dir, resume_run, save_checkpoint, sigint_held)
+from checkpoint import (Metrics, RunDirError, allocating, complete_checkpoints, diverged_hint, naming, not_own_file,
+                        open_run_dir, resume_run, save_checkpoint, write_error_line)
 from configurator import configure, settings_help, unknown_key
 from data import TokenLoader, check_model_vocab, check_token_ids, data_fingerprint
 from fileio import write_json
@@ -133,28 +130,8 @@ EXPERIMENT = {k: DEFAULTS[k] for k in ("gamma", "init_overrides", "seed", "globa
                                        "warmup_steps", "max_steps", "min_lr_ratio", "decay_frac")}
 
 
-# SIGTERM and SIGUSR1 are a scheduler's notice that it will kill the job (SLURM's scancel and
-# --signal, Kubernetes, spot instances): the run finishes its step, saves it, and exits with
-# PREEMPTED_STATUS (sysexits' EX_TEMPFAIL, "try again later"), which a job script requeues on.
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-PREEMPTED_STATUS = 75
-
-
-@contextmanager
-def preemption_notices():
-    """The list a preemption signal is appended to while the run trains: only marked, so that the step and
-    the save in progress go on (a second signal during the save changes nothing)."""
-    notices = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: notices.append(signum)) for sig in PREEMPT_SIGNALS}
-    try:
-        yield notices
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def train(cfg):
-    with preemption_notices() as preempted:
+    with interrupt.preemption_notices() as preempted:
         return train_run(cfg, preempted)
 
 
@@ -246,11 +223,11 @@ def train_run(cfg, preempted):
                 if stop_val and step < cfg["max_steps"]:
                     if not last_ckpt or os.path.basename(last_ckpt) != f"ckpt_{step:08d}":
                         last_ckpt = save_and_record(cfg, step, net, opt, loader, meta, last_ckpt, metrics)
-                    raise Preempted(f"{signal.Signals(int(stop_val)).name} at step {step}/{cfg['max_steps']}: saved "
-                                    f"{last_ckpt}; {resume_command(cfg)} resumes from it (exit status "
-                                    f"{PREEMPTED_STATUS}: requeue the job)")
+                    raise interrupt.Preempted(
+                        f"{signal.Signals(int(stop_val)).name} at step {step}/{cfg['max_steps']}: saved {last_ckpt}; "
+                        f"{resume_command(cfg)} resumes from it (exit status {interrupt.PREEMPTED_STATUS}: requeue the job)")
     except KeyboardInterrupt:
-        raise Interrupted(interrupted_line(cfg, step)) from None
+        raise interrupt.Interrupted(interrupted_line(cfg, step)) from None
     return step
 
 
@@ -581,66 +558,28 @@ def load_config(argv):
 def main(argv):
     if argv[:1] == ["export"]:
         from hf_export import export_command  # transformers only for --format hf
-        try:
-            export_command(argv[1:])
-        except KeyboardInterrupt as e:  # the export's line: what it left (nothing half-written)
-            raise Interrupted(str(e)) from None
-        return
+        return export_command(argv[1:])
     if "--help" in argv or "-h" in argv:
-        print(usage())
-        return
-    try:
-        config = load_config(argv)  # runs the config files' code
-        if config["dry_run"]:
-            from plan import print_plan  # the dry run's plan: FLOPs and memory per GPU, no data, no GPU
-            print_plan(config, config["dry_run"])
-            return
-    except KeyboardInterrupt:
-        raise Interrupted("interrupted before the run started; nothing was written") from None
+        return print(usage())
+    config = load_config(argv)  # runs the config files' code
+    if config["dry_run"]:
+        from plan import print_plan  # the dry run's plan: FLOPs and memory per GPU, no data, no GPU
+        return print_plan(config, config["dry_run"])
     try:
         step = train(config)
     except KeyboardInterrupt:  # Ctrl-C before the first step (train() names the step from then on)
-        raise Interrupted(interrupted_line(config, None)) from None
+        raise interrupt.Interrupted(interrupted_line(config, None)) from None
     finally:
         try:
-            held = close_distributed()
-        except KeyboardInterrupt:  # it came before close_distributed held Ctrl-C back: close to the end
+            held = interrupt.close_process_group()
+        except KeyboardInterrupt:  # it came before the close held Ctrl-C back: close to the end
             held = True
-            close_distributed()
+            interrupt.close_process_group()
     if held:  # Ctrl-C while the finished run was torn down: held back until that was done
-        raise Interrupted(interrupted_line(config, step))
-
-
-
-
-
-def close_distributed():
-    """Destroy the process group and let go of it, on every way out of a run. A gloo group stays
-    alive, its threads running, for as long as anything holds it: the model's FSDP state (kept by
-    an error's traceback), and DTensor's caches (sharding propagation, redistribute plans, mesh
-    topology), which keep the run's device meshes, each holding its groups. The interpreter's exit
-    would race those threads and abort (SIGABRT, exit code 134) instead of exiting with the run's
-    status. Called again once an error is handled and its frames are gone. Ctrl-C is held back
-    meanwhile, for the same reason: returns whether one came (the caller's to report)."""
-    with sigint_held(deliver=False) as caught:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        gc.collect()  # the model and optimizer: FSDP2 holds them in reference cycles
-        for obj in gc.get_objects():
-            if type(obj) is DeviceMesh:  # not isinstance: it would touch every object's deprecated attributes
-                getattr(obj, "_pg_registry", {}).clear()
-    return bool(caught)
+        raise interrupt.Interrupted(interrupted_line(config, step))
 
 
 # ----------------------------------------------------------------------------- error lines
-class Interrupted(Exception):
-    """Ctrl-C (SIGINT): one line saying where the run was and where it resumes (interrupted_line)."""
-
-
-class Preempted(Exception):
-    """SIGTERM or SIGUSR1 during training: the step was saved; one line names it (PREEMPT_SIGNALS)."""
-
-
 def resume_command(cfg):
     return "the same command" if cfg["resume"] else "the same command with --resume=True"
 
@@ -654,36 +593,8 @@ def interrupted_line(cfg, step):
     return f"interrupted {where}; {resume_command(cfg)} resumes from {done[-1]}"
 
 
-def error_line(e):
-    """The one line an OSError gets: a write limit names what was hit and the file, the rest as
-    the OS says it."""
-    if e.errno in WRITE_LIMITS and e.filename:
-        what, fix = WRITE_LIMITS[e.errno]
-        return f"{what} writing {e.filename}: {fix[0].lower() + fix[1:]} and rerun (files written before are intact)"
-    return e.strerror if e.strerror and not e.filename else str(e)
-
-
 if __name__ == "__main__":
-    interrupt.started()  # from here Ctrl-C is KeyboardInterrupt, which main turns into its line
-    status = 1  # main() raised what no clause below handles: its traceback, then this
-    try:
-        main(sys.argv[1:])
-        status = 0
     # Bad input, a busy or changed run folder, a diverged run, a full disk: one line, no traceback.
-    except (ValueError, FloatingPointError, RunDirError) as e:
-        status = str(e)
-    except OSError as e:
-        status = error_line(e)
-    except (Interrupted, Preempted) as e:
-        if os.environ.get("RANK", "0") == "0":  # once, not once per rank
-            print(e, file=sys.stderr)
-        status = 128 + signal.SIGINT if isinstance(e, Interrupted) else PREEMPTED_STATUS
-    finally:
-        # The outcome is decided: a Ctrl-C from here on is ignored. (At exit Python resets its own handlers to
-        # the default, and a Ctrl-C then would kill the process silently, status -2; an ignored signal stays so.)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        # After the except clauses: the error's traceback no longer holds the model (main() closed the group on
-        # its way out).
-        if status:
-            close_distributed()
-    sys.exit(status)
+    interrupt.run(lambda: main(sys.argv[1:]), "interrupted before the run started; nothing was written",
+                  errors=(ValueError, FloatingPointError, RunDirError, OSError),
+                  line=lambda e: write_error_line(e) if isinstance(e, OSError) else str(e))

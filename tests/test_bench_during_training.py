@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 import checkpoint
 import downstream as ds
 import eval as ev
+import interrupt
 import train
 from conftest import launch_env
 from init import init_model_
@@ -79,7 +80,7 @@ def fsdp_model(**model):
         net, _ = train.build_model(cfg, train.model_config(cfg, "cpu"), torch.device("cpu"))
         yield net
     finally:
-        train.close_distributed()
+        interrupt.close_process_group()
 
 
 def export(net, path, data_dir, data_meta=BYTES_META):

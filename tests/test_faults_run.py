@@ -194,11 +194,11 @@ def test_a_file_or_folder_in_the_wrong_place_is_one_line_and_kept(data_dir, tmp_
 # finished run: closing metrics.jsonl (and TensorBoard, wandb) or tearing down the process group.
 CTRL_C_AFTER = """
 import os, runpy, signal, sys
-import checkpoint
+import checkpoint, interrupt
 import torch.distributed as dist
-# "hold": between train()'s return and close_distributed's hold on Ctrl-C (its context made, not yet entered)
+# "hold": between train()'s return and close_process_group's hold on Ctrl-C (its context made, not yet entered)
 owner, name = {"close": (checkpoint.Metrics, "close"), "destroy": (dist, "destroy_process_group"),
-               "hold": (checkpoint, "sigint_held")}[sys.argv.pop(1)]
+               "hold": (interrupt, "sigint_held")}[sys.argv.pop(1)]
 original = getattr(owner, name)
 sent = []
 def then_ctrl_c(*args, **kwargs):

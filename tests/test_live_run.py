@@ -12,7 +12,7 @@ import torch
 
 import checkpoint
 import eval as ev
-import train
+import interrupt
 from conftest import launch_env
 from test_train import ROOT, TINY, command, data_dir, rows, run_train  # noqa: F401 (data_dir: a fixture)
 
@@ -54,7 +54,7 @@ def test_ten_evals_and_three_exports_beside_a_training_that_prunes_every_step(da
         assert proc.returncode == 0 and "Traceback" not in err and "damaged" not in err, out + err
     assert training.poll() is None, "the training ended before the readers did: no race was tested"
     code, _, err = stop(training)
-    assert code == train.PREEMPTED_STATUS, err
+    assert code == interrupt.PREEMPTED_STATUS, err
     results = [json.load(open(tmp_path / f"e{i}.json")) for i in range(10)]
     blobs = [torch.load(tmp_path / f"x{i}.pt", weights_only=True) for i in range(3)]
     steps = sorted({r["summary"]["step"] for r in results} | {b["step"] for b in blobs})
@@ -119,7 +119,7 @@ def test_sigterm_saves_the_step_and_the_resume_is_bitwise(data_dir, tmp_path):
     proc.send_signal(sig)
     time.sleep(0.05)
     code, _, err = stop(proc, sig)  # a second notice, likely during the save: it changes nothing
-    assert code == train.PREEMPTED_STATUS == 75, err
+    assert code == interrupt.PREEMPTED_STATUS == 75, err
     saved = checkpoint.complete_checkpoints(out)
     assert len(saved) == 1 and not saved[0].endswith("ckpt_00000120")
     assert err.strip().splitlines() == [
