@@ -798,6 +798,19 @@ def diverged_hint(last_good):
             f"grad_clip, adding --allow_resume_changes=True (they are settings of the experiment)")
 
 
+def resume_command(cfg):
+    return "the same command" if cfg["resume"] else "the same command with --resume=True"
+
+
+def interrupted_line(cfg, step):
+    """Ctrl-C's one line: the step the run reached and where a rerun of the same command resumes."""
+    where = "before the first step" if step is None else f"at step {step}/{cfg['max_steps']}"
+    done = complete_checkpoints(cfg["out_dir"]) if os.path.isdir(cfg["out_dir"]) else []
+    if not done:
+        return f"interrupted {where}; no checkpoint was saved yet: the same command starts over"
+    return f"interrupted {where}; {resume_command(cfg)} resumes from {done[-1]}"
+
+
 def save_checkpoint(cfg, step, net, opt, loader, meta, last_good):
     """Write ckpt_{step} (as tmp_, renamed when whole) and prune old ones. Refuses to save
     non-finite weights or optimizer state; a full disk is one line, the partial folder removed."""

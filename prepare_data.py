@@ -1465,17 +1465,19 @@ STOPPED_BY = []
 
 
 def cli(argv=None):
-    """main as the command line runs it: Ctrl-C, SIGTERM or SIGHUP is one line (no traceback) and the
-    shell's 128 + the signal's number (interrupt.run says them)."""
+    """main as the command line runs it, the whole process (interrupt.run): Ctrl-C, SIGTERM or SIGHUP is one line
+    (no traceback) and the shell's 128 + the signal's number."""
+    def main_saying_the_signal():
+        try:
+            main(argv)
+        except Interrupted as e:
+            signum = STOPPED_BY[0] if STOPPED_BY else signal.SIGINT
+            raise interrupt.Interrupted(str(e) if signum == signal.SIGINT else f"{signal.Signals(signum).name}: {e}",
+                                        signum) from None
     for stop_signal in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(stop_signal, stopped_by)
-    try:
-        main(argv)
-    except Interrupted as e:
-        signum = STOPPED_BY[0] if STOPPED_BY else signal.SIGINT
-        raise interrupt.Interrupted(str(e) if signum == signal.SIGINT else f"{signal.Signals(signum).name}: {e}",
-                                    signum) from None
+    interrupt.run(main_saying_the_signal, "interrupted before anything was written")
 
 
 if __name__ == "__main__":
-    interrupt.run(cli, "interrupted before anything was written")
+    cli()

@@ -38,8 +38,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from analysis import cosine_stats, row_cosines, stable_rank
-from checkpoint import (Metrics, RunDirError, allocating, complete_checkpoints, diverged_hint, naming, not_own_file,
-                        open_run_dir, resume_run, save_checkpoint, write_error_line)
+from checkpoint import (Metrics, RunDirError, allocating, diverged_hint, interrupted_line, naming, not_own_file,
+                        open_run_dir, resume_command, resume_run, save_checkpoint, write_error_line)
 from configurator import configure, settings_help, unknown_key
 from data import TokenLoader, check_model_vocab, check_token_ids, data_fingerprint
 from fileio import write_json
@@ -225,7 +225,8 @@ def train_run(cfg, preempted):
                         last_ckpt = save_and_record(cfg, step, net, opt, loader, meta, last_ckpt, metrics)
                     raise interrupt.Preempted(
                         f"{signal.Signals(int(stop_val)).name} at step {step}/{cfg['max_steps']}: saved {last_ckpt}; "
-                        f"{resume_command(cfg)} resumes from it (exit status {interrupt.PREEMPTED_STATUS}: requeue the job)")
+                        f"{resume_command(cfg)} resumes from it (exit status {interrupt.PREEMPTED_STATUS}: requeue "
+                        "the job)")
     except KeyboardInterrupt:
         raise interrupt.Interrupted(interrupted_line(cfg, step)) from None
     return step
@@ -577,20 +578,6 @@ def main(argv):
             interrupt.close_process_group()
     if held:  # Ctrl-C while the finished run was torn down: held back until that was done
         raise interrupt.Interrupted(interrupted_line(config, step))
-
-
-# ----------------------------------------------------------------------------- error lines
-def resume_command(cfg):
-    return "the same command" if cfg["resume"] else "the same command with --resume=True"
-
-
-def interrupted_line(cfg, step):
-    """Ctrl-C's one line: the step the run reached and where a rerun of the same command resumes."""
-    where = "before the first step" if step is None else f"at step {step}/{cfg['max_steps']}"
-    done = complete_checkpoints(cfg["out_dir"]) if os.path.isdir(cfg["out_dir"]) else []
-    if not done:
-        return f"interrupted {where}; no checkpoint was saved yet: the same command starts over"
-    return f"interrupted {where}; {resume_command(cfg)} resumes from {done[-1]}"
 
 
 if __name__ == "__main__":
