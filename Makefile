@@ -27,9 +27,9 @@ pytest:
 # (a module's fixtures are built once), keep both cores busy; without xdist the suite runs in one process.
 WORKERS = $$($(PYTHON) -c "import xdist" 2>/dev/null && echo "-n 2 --dist loadfile")
 
-# The whole suite, slow tests included (CI runs exactly this).
+# The whole suite, slow tests included (CI runs exactly this), then its 15 slowest tests.
 test: install pytest plots test-extras
-	$(PYTHON) -m pytest -q $(WORKERS) tests
+	$(PYTHON) -m pytest -q $(WORKERS) --durations=15 tests
 
 # Everything but the tests marked slow (torchrun, compile, training runs).
 test-fast: install pytest

@@ -580,8 +580,14 @@ def main(argv):
         raise interrupt.Interrupted(interrupted_line(config, step))
 
 
+# Bad input, a busy or changed run folder, a diverged run, a full disk: one line, no traceback.
+ERRORS = (ValueError, FloatingPointError, RunDirError, OSError)
+
+
+def error_line(e):
+    return write_error_line(e) if isinstance(e, OSError) else str(e)
+
+
 if __name__ == "__main__":
-    # Bad input, a busy or changed run folder, a diverged run, a full disk: one line, no traceback.
     interrupt.run(lambda: main(sys.argv[1:]), "interrupted before the run started; nothing was written",
-                  errors=(ValueError, FloatingPointError, RunDirError, OSError),
-                  line=lambda e: write_error_line(e) if isinstance(e, OSError) else str(e))
+                  errors=ERRORS, line=error_line)

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 import checkpoint
 from test_run_folder import ARGS, copy_run, one_line, run6  # noqa: F401  (run6: the shared reference run)
-from test_train import data_dir, rows, run_train  # noqa: F401  (data_dir: the shared fixture)
+from test_train import data_dir, rows, run_train, train_error  # noqa: F401  (data_dir: the shared fixture)
 
 NEWEST, PREVIOUS = "ckpt_00000006", "ckpt_00000005"
 TRUEDIV = pathlib.PosixPath.__truediv__
@@ -288,8 +288,8 @@ def test_resume_with_a_damaged_metrics_line_is_one_line(run6, data_dir, tmp_path
     lines = open(metrics).readlines()
     damaged = "".join(lines[:2] + ["5\n"] + lines[2:])
     open(metrics, "w").write(damaged)
-    p = run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"], ok=False)
-    assert p.returncode == 1 and one_line(p).startswith(f"{metrics} line 3 is not a metrics row ('5'")
+    assert train_error([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"]).startswith(
+        f"{metrics} line 3 is not a metrics row ('5'")
     assert open(metrics).read() == damaged
 
 
@@ -306,8 +306,8 @@ def plant_link(link, target, data=b"the user's own file\n"):
 def test_a_symlinked_train_lock_is_refused_and_its_target_kept(data_dir, tmp_path):  # noqa: F811
     out, target = tmp_path / "run", tmp_path / "precious.txt"
     plant_link(out / "train.lock", target)
-    p = run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={out}"], ok=False)
-    assert p.returncode == 1 and one_line(p).startswith(f"{out / 'train.lock'} is a symlink: not followed")
+    assert train_error([*ARGS, f"--data_dir={data_dir}", f"--out_dir={out}"]).startswith(
+        f"{out / 'train.lock'} is a symlink: not followed")
     assert target.read_bytes() == b"the user's own file\n"
 
 
@@ -316,8 +316,8 @@ def test_a_symlinked_train_lock_is_refused_and_its_target_kept(data_dir, tmp_pat
 def test_a_symlinked_metrics_jsonl_is_refused_and_its_target_kept(data_dir, tmp_path, data):  # noqa: F811
     out, target = tmp_path / "run", tmp_path / "precious.txt"
     plant_link(out / "metrics.jsonl", target, data)
-    p = run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={out}"], ok=False)
-    assert p.returncode == 1 and one_line(p).startswith(f"{out / 'metrics.jsonl'} is a symlink: not followed")
+    assert train_error([*ARGS, f"--data_dir={data_dir}", f"--out_dir={out}"]).startswith(
+        f"{out / 'metrics.jsonl'} is a symlink: not followed")
     if data is None:
         assert not target.exists()  # not created through the link either
     else:

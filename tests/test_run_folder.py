@@ -24,7 +24,9 @@ import checkpoint
 import train
 from conftest import launch_env
 from data import check_token_ids, data_fingerprint, load_meta
-from test_train import ROOT, TINY, command, data_dir, rows, run_train  # noqa: F401  (data_dir: the shared fixture)
+from test_faults_eval import error_line
+from test_train import (ROOT, TINY, command, data_dir, rows, run_train,  # noqa: F401  (data_dir: the shared fixture)
+                        train_error)
 
 ARGS = [*TINY, "--max_steps=6", "--ckpt_interval=1", "--keep_last=3"]
 
@@ -161,7 +163,7 @@ def test_double_launch_exits_at_once_naming_the_holder(data_dir, tmp_path):  # n
     assert len(checkpoint.complete_checkpoints(out)) >= 1 and checkpoint.scan_checkpoints(out)[1] == []
     # the kernel released the lock with its holder: the next launch gets past it (and stops at
     # the experiment check, having been asked for a different schedule)
-    assert "max_steps 100000 there, 50 now" in one_line(run_train([*args, "--max_steps=50"], ok=False))
+    assert "max_steps 100000 there, 50 now" in train_error([*args, "--max_steps=50"])
 
 
 # ----------------------------------------------------------------------------- non-finite state
@@ -239,7 +241,7 @@ def test_a_setting_added_to_train_pys_experiment_list_is_refused_on_resume(run6,
 def test_resume_refuses_a_different_experiment(run6, data_dir, tmp_path):  # noqa: F811
     run = copy_run(run6, tmp_path)
     base = [*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"]
-    err = one_line(run_train([*base, "--gamma=0.5", "--seed=1"], ok=False))
+    err = one_line(run_train([*base, "--gamma=0.5", "--seed=1"], ok=False))  # a subprocess: the run then resumes
     assert "gamma 1.0 there, 0.5 now; seed 0 there, 1 now" in err and "allow_resume_changes" in err
     meta = meta_of(run)
     fp = data_fingerprint(data_dir, load_meta(data_dir))
@@ -332,7 +334,7 @@ def test_crafted_metadata_runs_no_code_on_resume_eval_or_export(run6, data_dir, 
         return {f: open(f, "rb").read() for f in glob.glob(os.path.join(run, "**"), recursive=True)
                 if os.path.isfile(f) and not f.endswith("train.lock")}
     before = files()
-    err = one_line(run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"], ok=False))
+    err = train_error([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
     assert err.startswith(f"every checkpoint in {run} is damaged (ckpt_00000006: its .metadata names posix.system")
     for cmd in (["eval.py", "weights", run], ["eval.py", "loss", newest, "--data", data_dir],
                 ["train.py", "export", newest, str(tmp_path / "x.pt")]):
@@ -436,7 +438,7 @@ def test_token_ids_past_the_vocab_are_caught_at_start(data_dir, tmp_path):  # no
     for info in meta["splits"].values():
         info.pop("shard_max_id")
     json.dump(meta, open(os.path.join(other, "meta.json"), "w"))
-    err = one_line(run_train([*TINY, f"--data_dir={other}", f"--out_dir={tmp_path / 'r'}", "--max_steps=4"], ok=False))
+    err = train_error([*TINY, f"--data_dir={other}", f"--out_dir={tmp_path / 'r'}", "--max_steps=4"])
     assert "val_000000.bin holds token id 300 >= the model's vocab_size 257" in err
 
 
@@ -466,9 +468,8 @@ def test_broken_config_files_are_one_line(tmp_path, text, message):
 ])
 def test_gamma_and_override_mistakes_are_one_line_before_training(data_dir, tmp_path, arg, message):  # noqa: F811
     out = tmp_path / "run"
-    p = run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=2", "--warmup_steps=1", arg],
-                  ok=False)
-    assert message in one_line(p)
+    assert message in train_error([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=2",
+                                   "--warmup_steps=1", arg])
     assert not out.exists()  # refused with the config, before the run folder
 
 
@@ -479,17 +480,11 @@ def test_names_from_other_trainers_get_a_hint():
         train.load_config(["--max_iters=10"])
 
 
-def eval_error(path, *extra):
-    """eval.py's error: its last stderr line, "error: ..." (progress lines may come before it)."""
-    p = subprocess.run([sys.executable, "eval.py", "weights", str(path), *extra], cwd=ROOT, capture_output=True,
-                       text=True, env=launch_env())
-    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
-    last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: "), p.stderr[-3000:]
-    return last
-
-
-def test_eval_on_damaged_or_wrong_input_is_one_line(run6, data_dir, tmp_path):  # noqa: F811
+def test_eval_on_damaged_or_wrong_input_is_one_line(run6, data_dir, tmp_path, capsys):  # noqa: F811
+    def eval_error(path):
+        line = error_line(["weights", str(path)], capsys)
+        assert line.startswith("error: "), line
+        return line
     run = copy_run(run6, tmp_path)
     newest = os.path.join(run, "ckpt_00000006")
     with open(glob.glob(os.path.join(newest, "*.distcp"))[0], "r+b") as f:

@@ -13,7 +13,7 @@ import torch
 import checkpoint
 import train
 from conftest import launch_env
-from test_train import ROOT, TINY, data_dir, run_train  # noqa: F401  (data_dir: the shared fixture)
+from test_train import ROOT, TINY, data_dir, run_train, train_error  # noqa: F401  (data_dir: the shared fixture)
 
 GAMMA = ("is outside 0 < γ <= 3: at γ <= 0 weights do not shrink with width, above 3 they start near 0; use e.g. "
          "0.5 (standard) or 1.0")
@@ -113,10 +113,9 @@ def test_varlen_passes_the_settings_and_the_device_refuses_it_before_the_run_fol
     if torch.cuda.is_available():
         pytest.skip("a GPU here: the CPU refusal is not what runs")
     out = tmp_path / "run"
-    p = run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=3", "--attn_backend=varlen"],
-                  ok=False)
-    assert p.returncode == 1 and p.stderr.strip() == ("attn_backend='varlen' runs flash-attention kernels, CUDA only, "
-                                                      "not cpu: use attn_backend='sdpa' here"), p.stderr
+    assert train_error([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=3",
+                        "--attn_backend=varlen"]) == ("attn_backend='varlen' runs flash-attention kernels, CUDA only, "
+                                                      "not cpu: use attn_backend='sdpa' here")
     assert not out.exists()
 
 
