@@ -28,7 +28,8 @@ SHARED = os.path.join(ROOT, "..", "shared")  # the offline data kit is SHARED/da
 KIT = os.path.join(SHARED, "data")
 
 # The flags `fewer` may set: how long a command runs, never what it runs.
-SIZES = ("--max_steps", "--warmup_steps", "--eval_interval", "--ckpt_interval", "--bench_interval", "--limit", "--seeds",
+SIZES = ("--max_steps", "--warmup_steps", "--eval_interval", "--ckpt_interval", "--bench_interval", "--bench_limit",
+         "--limit", "--seeds",
          "--eval-tokens", "--set max_steps", "--set warmup_steps", "--set eval_interval", "--set ckpt_interval")
 
 
@@ -67,6 +68,11 @@ HF_ARGS = "--model hf --model_args pretrained=out/hf/tiny_bytes,trust_remote_cod
 LM_EVAL_LOCAL = f"lm_eval {HF_ARGS} --include_path out/lm_eval_tasks --tasks hellaswag_local --device cpu " \
     "--batch_size 16"
 EVAL_KIT = "../shared/data/eval"
+HELLASWAG_BENCH = (f"python eval.py bench out/g1 --task hellaswag --source "
+                   f"{EVAL_KIT}/hellaswag/hellaswag_val_full.txt.bz2 --limit 200 --truncate left")
+GSM8K_BENCH = f"python eval.py bench out/g1 --task gsm8k --source {EVAL_KIT}/gsm8k/test.jsonl --limit 20 --truncate left"
+MATH_BENCH = (f"python eval.py bench out/g1 --task math500 --source {EVAL_KIT}/math500/test.jsonl --limit 20 "
+              "--truncate left")
 G1_BENCH = (f"{TINY} --data_dir=data/bi_bytes --out_dir=out/g1_bench --max_steps=300 --eval_interval=100 "
             f"--bench_interval=100 --bench_source={EVAL_KIT}/hellaswag/hellaswag_val_full.txt.bz2 --bench_limit=100 "
             "--bench_truncate=left")
@@ -119,14 +125,12 @@ COMMANDS = {
     "python eval.py weights out/g1": ("run", None, ""),
     "python eval.py residual out/g1 --data data/bi_bytes": ("run", None, ""),
     "python eval.py residual --init --widths 64 128 256 512 --gamma 1 --mlp swiglu": ("side", None, ""),
-    f"python eval.py bench out/g1 --task hellaswag --source {EVAL_KIT}/hellaswag/hellaswag_val_full.txt.bz2 "
-    "--limit 200 --truncate left": ("kit", None, ""),
-    f"python eval.py bench out/g1 --task gsm8k --source {EVAL_KIT}/gsm8k/test.jsonl --limit 20 --truncate left":
-        ("kit", None, ""),
-    f"python eval.py bench out/g1 --task math500 --source {EVAL_KIT}/math500/test.jsonl --limit 20 --truncate left":
-        ("kit", None, ""),
+    HELLASWAG_BENCH: ("kit", fewer(HELLASWAG_BENCH, "--limit 50"), "200 items take ~13 s"),
+    GSM8K_BENCH: ("kit", fewer(GSM8K_BENCH, "--limit 5"), "20 items take ~25 s: each generates up to 128 tokens"),
+    MATH_BENCH: ("kit", fewer(MATH_BENCH, "--limit 5"), "20 items take ~25 s: each generates up to 128 tokens"),
     "python eval.py bench out/anchor_gamma1 --task anchor --data data/anchor": ("run", None, ""),
-    G1_BENCH: ("kit", fewer(G1_BENCH, *TINY_STEPS, "--bench_interval=3"), "300 steps take ~5 minutes"),
+    G1_BENCH: ("kit", fewer(G1_BENCH, *TINY_STEPS, "--bench_interval=3", "--bench_limit=25"),
+               "300 steps take ~5 minutes, each 100-item benchmark ~4 s"),
     "python eval.py scaling --baseline 1e6=2.10 3e6=1.90 1e7=1.75 3e7=1.66 --compare 3e6=1.80": ("side", None, ""),
     "python eval.py report out/*.json --out out/report.md": ("after", None, ""),
     "python eval.py report results/*.json --out out/study.md": ("side", None, ""),
@@ -317,12 +321,10 @@ def test_readme_commands_needing_the_offline_kit(workspace):
     with open(ws / "out" / "g1_bench" / "metrics.jsonl") as f:
         rows = [row for row in map(json.loads, f) if "bench_hellaswag_acc" in row]
     assert [row["step"] for row in rows] == [0, 3, 6] and all(0 <= row["bench_hellaswag_acc"] <= 1 for row in rows)
-    hellaswag = outputs[f"python eval.py bench out/g1 --task hellaswag --source "
-                        f"{EVAL_KIT}/hellaswag/hellaswag_val_full.txt.bz2 --limit 200 --truncate left"]
+    hellaswag = outputs[HELLASWAG_BENCH]
     assert "acc_norm" in hellaswag and "truncated" in hellaswag
     for task, metric in (("gsm8k", "flexible_match"), ("math500", "exact_match")):
-        out = outputs[f"python eval.py bench out/g1 --task {task} --source {EVAL_KIT}/{task}/test.jsonl --limit 20 "
-                      "--truncate left"]
+        out = outputs[GSM8K_BENCH if task == "gsm8k" else MATH_BENCH]
         # The README's model has 256 positions: half of them go to the completion, the prompt is cut.
         assert metric in out and "lm-eval" in out and re.search(r"max_new_tokens\s.*\n.*\b128\b", out), out[-1500:]
 
