@@ -15,6 +15,7 @@ import downstream as ds
 from conftest import ctrl_c_after, launch_env, tiny_model
 from test_eval import export
 from test_faults_eval import ROOT, error_line
+from test_train import train_error
 
 CKPT_FIX = "pass a .pt export, a complete checkpoint folder or a run folder written by train.py"
 KIT = {"hellaswag": "hellaswag/hellaswag_val_full.txt.bz2", "gsm8k": "gsm8k/test.jsonl",
@@ -111,12 +112,8 @@ def test_a_fifo_as_the_training_bench_source_is_named(fifo):
 # ----------------------------------------------------------------------------- train.py export
 
 def export_line(*args):
-    """train.py export's one line for bad input (exit status 1)."""
-    p = subprocess.run([sys.executable, "train.py", "export", *map(str, args)], cwd=ROOT, capture_output=True,
-                       text=True, env=launch_env(), timeout=120)
-    lines = p.stderr.strip().splitlines()
-    assert p.returncode == 1 and len(lines) == 1, p.stderr
-    return lines[0]
+    """train.py export's one line for bad input (exit status 1), from train.main in-process."""
+    return train_error(["export", *map(str, args)])
 
 
 def test_an_hf_export_onto_a_fifo_calls_it_a_fifo(ckpt, fifo, tmp_path):

@@ -22,7 +22,7 @@ import fileio
 from conftest import launch_env
 from test_faults_checkpoint import NEWEST, PREVIOUS, write_meta
 from test_run_folder import ARGS, copy_run, limit_file_size, one_line, run6  # noqa: F401  (run6: the reference run)
-from test_train import ROOT, TINY, data_dir, rows, run_train  # noqa: F401  (data_dir: the shared fixture)
+from test_train import ROOT, TINY, data_dir, rows, run_train, train_error  # noqa: F401  (data_dir: the fixture)
 
 
 def run_cli(*args, **kwargs):
@@ -85,9 +85,9 @@ def test_export_cli_over_a_checkpoints_meta_json_is_one_line_and_changes_nothing
     run = copy_run(run6, tmp_path)
     target = os.path.join(run, PREVIOUS, "meta.json")
     before = listing(os.path.join(run, PREVIOUS))
-    p = run_cli("train.py", "export", os.path.join(run, NEWEST), target)
-    assert p.returncode == 1 and one_line(p) == (f"{target} exists and is not an earlier export (a file that is not "
-                                                 f"a .pt export): choose another path or remove it yourself")
+    assert train_error(["export", os.path.join(run, NEWEST), target]) == (
+        f"{target} exists and is not an earlier export (a file that is not a .pt export): choose another path or "
+        "remove it yourself")
     assert listing(os.path.join(run, PREVIOUS)) == before
     assert checkpoint.checkpoint_problem(os.path.join(run, PREVIOUS)) is None
 
