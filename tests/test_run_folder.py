@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import checkpoint
+import eval as ev
 import train
 from conftest import launch_env
 from data import check_token_ids, data_fingerprint, load_meta
@@ -395,7 +396,7 @@ def test_checkpoint_records_the_sha256_of_every_file_it_wrote(run6):
 
 
 @pytest.mark.slow
-def test_a_flipped_byte_in_any_checkpoint_file_is_damage(run6, data_dir, tmp_path):  # noqa: F811
+def test_a_flipped_byte_in_any_checkpoint_file_is_damage(run6, data_dir, tmp_path, capsys):  # noqa: F811
     names = sorted(json.load(open(os.path.join(run6, "ckpt_00000006", "meta.json")))["sha256"])
     assert names == [".metadata", "__0_0.distcp", "rng_rank0.pt"]
     for name in names:
@@ -410,9 +411,9 @@ def test_a_flipped_byte_in_any_checkpoint_file_is_damage(run6, data_dir, tmp_pat
         # a run folder: the newest intact one, saying which was passed over and why
         net, info = checkpoint.load_model(run)
         assert info["path"] == os.path.join(run, "ckpt_00000005")
-    p = subprocess.run([sys.executable, "eval.py", "loss", run, "--data", data_dir, "--tokens", "256"], cwd=ROOT,
-                       capture_output=True, text=True, env=launch_env())
-    assert p.returncode == 0 and "using ckpt_00000005; newer but damaged: ckpt_00000006" in p.stderr, p.stderr
+    capsys.readouterr()
+    ev.main(["loss", run, "--data", data_dir, "--tokens", "256"])
+    assert "using ckpt_00000005; newer but damaged: ckpt_00000006" in capsys.readouterr().err
     assert checkpoint.load_model(newest, verify=False)[1]["path"] == newest  # the explicit way past the check
     p = run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
     assert "ckpt_00000006 could not be resumed (DamagedCheckpoint: rng_rank0.pt does not match its sha256" in p.stdout
