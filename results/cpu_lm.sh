@@ -19,7 +19,24 @@ WIDTH_LRS=0.0003,$LRS  # extended down after the recipe's best at width 256 was 
 FINE_LRS=0.0017,0.0055,0.017,0.055  # LRS's geometric midpoints (lr_fine and gamma_fine)
 HALF_LRS=0.001,0.0017,0.003,0.0055,0.01,0.017,0.03,0.055,0.1  # LRS and FINE_LRS merged (scale_wide)
 WIDE_SIZES="96:648:65 128:1200:120"  # d_model:max_steps:warmup_steps (scale_wide)
-SWEEP="python sweep.py $BASE --jobs $JOBS"
+# A sweep skips a point whose run folder holds sweep_point.json. On another machine (a fresh clone, a new session)
+# the run folders are gone, but each finished point's row is committed in results/NAME.json, and that row is what
+# its sweep_point.json held: written back, the point counts as finished again (sweep.py still checks it against the
+# point's command), so a resumed section runs only what never finished and rewrites results/NAME.json whole.
+sweep() {  # sweep --name NAME ARGS...: python sweep.py, after writing back NAME's committed rows
+    python - "$2" <<'PY'
+import json, os, sys
+path = os.path.join("results", sys.argv[1] + ".json")
+for row in json.load(open(path))["rows"] if os.path.exists(path) else []:
+    marker = os.path.join(row["run_dir"], "sweep_point.json")
+    if not os.path.exists(marker):
+        os.makedirs(row["run_dir"], exist_ok=True)
+        with open(marker, "w") as f:
+            json.dump(row, f)
+PY
+    python sweep.py $BASE --jobs $JOBS "$@"
+}
+SWEEP=sweep
 # The data: globs (written when a folder went through datasets' split inference and read one file of
 # corpus/en's six; a folder is now read whole, but the study's recorded sources are these globs).
 BI_BYTES="--tokenizer bytes --max-tokens 16M --source en=../shared/data/corpus/en/**/*.txt,weight=0.5

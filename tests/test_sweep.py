@@ -8,6 +8,8 @@ import importlib.util
 import json
 import math
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -223,6 +225,32 @@ def alive(pid):
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@pytest.mark.slow
+def test_the_study_runner_reruns_only_unfinished_points_where_their_run_folders_are_gone(data_dir, tmp_path):
+    # results/cpu_lm.sh's sweep(), on another machine: the committed rows are there, the run folders are not.
+    function = re.search(r"^sweep\(\) \{.*?^\}\n", open(os.path.join(ROOT, "results", "cpu_lm.sh")).read(),
+                         re.S | re.M).group(0)
+    repo = tmp_path / "repo"
+    (repo / "results").mkdir(parents=True)
+    shutil.copytree(os.path.join(ROOT, "config"), repo / "config")
+    for name in os.listdir(ROOT):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(ROOT, name), repo)
+
+    def study_sweep(seeds):
+        args = ["--name", "s", *TINY, "--set", f"data_dir={data_dir}", "--set", "max_steps=2", "--eval-tokens", "256",
+                "--seeds", seeds]
+        p = subprocess.run(["bash", "-c", f"BASE=config/cpu_lm.py\nJOBS=1\n{function}sweep \"$@\"", "bash", *args],
+                           cwd=repo, capture_output=True, text=True, timeout=600, env=launch_env())
+        assert p.returncode == 0, p.stdout + p.stderr
+        return p.stdout, json.loads((repo / "results" / "s.json").read_text())["rows"]
+    _, first = study_sweep("0")
+    shutil.rmtree(repo / "out")  # a fresh clone: results/s.json committed, no run folder
+    said, rows_now = study_sweep("0,1")
+    assert "2 points, 1 finished, 1 to run" in said
+    assert rows_now[0] == first[0] and [r["seed"] for r in rows_now] == [0, 1]
 
 
 def long_sweep(data, name):
