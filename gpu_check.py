@@ -114,19 +114,24 @@ def expected_seconds(out):
     and assumed MFU), train.py's FLOPs at 40% of the datasheet peak plus a compile and the init for
     train, the measured time for the tests."""
     import bench
-    import train
-    from plan import print_plan
     suite = bench.SUITES["cuda"]
     expected = {name: round(bench.plan(bench.select(suite.variants(), variants), suite, 5, 2, 2,
                                        suite.nominal_peak)[1]) for name, variants in BENCHES.items()}
-    cfg = train.load_config([*TRAIN[1:], f"--data_dir={out}/scratch/data"])
-    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-        plan = print_plan(cfg, 1)
+    cfg, plan = train_plan(out)
     flops = plan["flops_per_token"] * plan["tokens_per_step"] * cfg["max_steps"]
     init = plan["params"]["total"] * bench.INIT_S_PER_PARAM
     expected["train"] = round(flops / (0.4 * suite.nominal_peak) + suite.compile_s + init + 20)
     expected.update(data=10, tests=TESTS_S)
     return {name: seconds + STARTUP_S for name, seconds in expected.items()}
+
+
+def train_plan(out):
+    """The train step's settings and train.py's plan for them (FLOPs, memory per GPU), printed nowhere."""
+    import train
+    from plan import print_plan
+    cfg = train.load_config([*TRAIN[1:], f"--data_dir={out}/scratch/data"])
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        return cfg, print_plan(cfg, 1)
 
 
 def run_step(name, argv, limit, out):
@@ -166,16 +171,12 @@ def train_numbers(out):
     its checkpoint (~18 GB of fp32 weights and AdamW state) is deleted, not brought back."""
     import statistics
 
-    import train
-    from plan import print_plan
     run = os.path.join(out, "scratch", "run")
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if '"tokens_per_s"' in line]
     for name in os.listdir(run):
         if name.startswith("ckpt_"):
             shutil.rmtree(os.path.join(run, name))
-    cfg = train.load_config([*TRAIN[1:], f"--data_dir={out}/scratch/data"])
-    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-        estimate = print_plan(cfg, 1)["memory_bytes"] / 2**30
+    estimate = train_plan(out)[1]["memory_bytes"] / 2**30
     steady = [r for r in rows if r["step"] >= 3]
     peak = max(r["mem_gib"] for r in rows)
     return {"tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in steady)),
@@ -189,8 +190,8 @@ def dry_run(out):
     write_corpus(os.path.join(out, "scratch"))
     expected = expected_seconds(out)
     checks = {"pair": "--dry-run", "compiled": "--dry-run", "fsdp": "--dry-run", "eager": "--dry-run"}
-    failed = 0
-    for name, api in api_checks().items():
+    failed, apis = 0, api_checks()
+    for name, api in apis.items():
         failed += api != "ok"
         print(f"api     {name}: {api}")
     for name, argv, limit in steps(out):
@@ -203,7 +204,7 @@ def dry_run(out):
         print(f"         check: {'ok' if p.returncode == 0 else 'FAILED: ' + (p.stderr or p.stdout).strip()[-300:]}")
     total = sum(expected.values())
     print(f"expected {total} s in all, budget {BUDGET_S} s{'' if total <= BUDGET_S else ': OVER'}")
-    write_summary(out, {"dry_run": True, "expected_s": expected, "apis": api_checks(), "steps": []})
+    write_summary(out, {"dry_run": True, "expected_s": expected, "apis": apis, "steps": []})
     return 1 if failed or total > BUDGET_S else 0
 
 
