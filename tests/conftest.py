@@ -20,13 +20,10 @@ torch.set_num_threads(1)
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-# The longest test files first, longest to shortest (each file's seconds, one core, 2026-12-07: readme 313,
-# run_folder 140, train 135, sweep 117, live_run 104, lm_eval_parity 94, faults_run 66, then 20-40 each):
-# `make test`'s two xdist workers each take whole files, and a long one started last runs alone at the end.
-LONGEST_FIRST = ("test_readme.py", "test_run_folder.py", "test_train.py", "test_sweep.py", "test_live_run.py",
-                 "test_lm_eval_parity.py", "test_faults_run.py", "test_faults_checkpoint.py", "test_gpu_check.py",
-                 "test_old_checkpoint.py", "test_faults_data.py", "test_optim.py", "test_quickstart.py",
-                 "test_bench_during_training.py", "test_train_spine.py", "test_init.py")
+# The longest test files first: `make test`'s two xdist workers each take whole files, and one of
+# these started last would run alone at the end (test_readme.py alone takes ~5 minutes).
+LONGEST_FIRST = ("test_readme.py", "test_train.py", "test_run_folder.py", "test_lm_eval_parity.py",
+                 "test_faults_run.py", "test_sweep.py", "test_faults_launchers.py")
 
 
 def pytest_collection_modifyitems(items):
