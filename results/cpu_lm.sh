@@ -160,7 +160,7 @@ print(" ".join(f"{n}={statistics.mean(v)!r}" for n, v in sorted(by_n.items())))
 PY
 }
 
-ALL="data lr settings layernorm gamma analyses budget wd scale moe lr_width lr_fine gamma_fine settings_fine confirm report confirm_report eps_regime eps_regime_report eps_claim1 scale_wide confirm_wide scale_wide_report factorial confirm_factorial depth"
+ALL="data lr settings layernorm gamma analyses budget wd scale moe lr_width lr_fine gamma_fine settings_fine confirm report confirm_report eps_regime eps_regime_report eps_claim1 scale_wide confirm_wide scale_wide_report factorial confirm_factorial depth machine_factorial"
 # The confirmation runs of results/confirm.md: seeds never run in the exploration, every setting
 # fixed there (the lrs are typed, not re-chosen by best_lr), in the order the claims are listed.
 CONFIRM_SEEDS=100,101,102,103,104,105
@@ -380,6 +380,17 @@ confirm_factorial)
     else
         echo "D does not join"
     fi
+    ;;
+machine_factorial)
+    # How far the CPU alone moves a width-128 result (issue 45): F's seed 103 of confirm_factorial ran on an AMD EPYC
+    # (the machine a session was given), its pair and every earlier confirmation row on an Intel Xeon. Two Intel
+    # points rerun unchanged on the other CPU: the recipe's seed 103 (confirm_wide) and F's seed 100
+    # (confirm_factorial), each into its own file, compared by `python results/factorial.py`. Not a verdict.
+    wide=model.d_model=128,max_steps=1200,warmup_steps=120
+    lr=$(best_lr results/scale_wide_lr_recipe.json recipe model.d_model=128)
+    $SWEEP --name machine_recipe --seeds 103 --arm "recipe_d128=,$wide,lr=$lr"
+    lr=$(best_lr results/factorial_lr_F_nogate.json F_nogate)
+    $SWEEP --name machine_F --seeds 100 --arm "F_nogate=,model.attn_gate=none,$wide,lr=$lr"
     ;;
 depth)
     # 8e. Depth at equal size (issue 45, item 4): the recipe and the baseline with 4 layers at width 96,
