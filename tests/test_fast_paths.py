@@ -103,15 +103,22 @@ def grads_agree(a_net, b_net, rel):
         assert torch.allclose(a.float(), b.float(), rtol=0, atol=rel * b.float().abs().max().item()), name
 
 
-# The fused GEMM's columns are the separate GEMMs' columns, the same dot products in the same order
-# (checked on this CPU's BLAS at these shapes), so q, k, v and the gate's logits are bitwise equal.
+# The fused GEMM's columns are the separate GEMMs' columns, the same dot products, so q, k and v are
+# bitwise equal (Intel Xeon and AMD EPYC BLAS at these shapes). The headwise gate's own GEMM is 4
+# columns wide, which the EPYC's BLAS sums in another order than the wide fused one: its logits differ
+# there by up to 2 ulp of the largest (bitwise on the Xeon), so they are held to 4.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("overrides", CONFIGS)
 def test_the_fused_projection_is_bitwise_the_separate_ones(dtype, overrides):
     model, fused = model_and_fused(dtype, **overrides)
     x = torch.randn(3, 40, 64, generator=torch.Generator().manual_seed(5)).to(dtype)
-    for got, want in zip(fused.layers[0].attn.project(x), model.layers[0].attn.project(x), strict=True):
-        assert (got is None and want is None) or torch.equal(got, want)
+    (*qkv, gate), (*qkv_want, gate_want) = fused.layers[0].attn.project(x), model.layers[0].attn.project(x)
+    assert all(torch.equal(got, want) for got, want in zip(qkv, qkv_want, strict=True))
+    if overrides.get("attn_gate") == "headwise":
+        ulp = torch.finfo(dtype).eps * gate_want.abs().max()
+        assert torch.allclose(gate, gate_want, rtol=0, atol=4 * ulp.item())
+    else:
+        assert (gate is None and gate_want is None) or torch.equal(gate, gate_want)
 
 
 # The whole model: the gate's sigmoid reads the logits as a strided slice of the fused GEMM's rows,
