@@ -52,6 +52,9 @@ CONTRASTS = [
     ("(F − A) − (B − C)", "the gate helps γ=1 more than γ=0.5", [(1, "F"), (-1, "A"), (-1, "B"), (1, "C")]),
     ("B − A", "the recipe's whole gain", [(1, "B"), (-1, "A")]),
 ]
+# The same point rerun on another CPU (`cpu_lm.sh machine_factorial`): (file, arm) of the rerun and of the original
+MACHINE = [(("machine_recipe.json", "recipe_d128"), ("confirm_wide.json", "recipe_d128")),
+           (("machine_F.json", "F_nogate"), ("confirm_factorial.json", "F_nogate"))]
 DEPTH = {"recipe": ("depth_lr_recipe_L4.json", "recipe_L4"), "baseline": ("depth_lr_baseline_L4.json", "baseline_L4")}
 
 
@@ -117,8 +120,23 @@ def report():
             if values:
                 lines.append(f"| {name} | {meaning} | {len(values)} | {format_delta(list(values.values()))} |")
         lines.append("")
+        cpus = sorted({r["machine"]["cpu"] for found in rows.values() for r in found})
+        if len(cpus) > 1:  # numbers are bitwise only within one machine (results/README.md)
+            lines += [f"Rows ran on {len(cpus)} CPUs: " + "; ".join(
+                f"{cpu}: " + ", ".join(f"{arm} {r['seed']}" for arm, found in rows.items() for r in found
+                                        if r["machine"]["cpu"] == cpu) for cpu in cpus) + ".", ""]
         if phase == "explore":
             figure = rows
+    checks = [(rerun, original) for (rerun_file, arm), (original_file, _) in MACHINE
+              for rerun in load(rerun_file) if rerun["arm"] == arm
+              for original in load(original_file) if original["arm"] == arm and original["seed"] == rerun["seed"]]
+    if checks:
+        lines += ["## The same command on two CPUs", "", "| arm | seed | CPU | loss | CPU | loss | difference |",
+                  "|---|---|---|---|---|---|---|"]
+        for rerun, original in checks:
+            lines.append(f"| {rerun['arm']} | {rerun['seed']} | {original['machine']['cpu']} | {loss(original):.4f} | "
+                         f"{rerun['machine']['cpu']} | {loss(rerun):.4f} | {loss(rerun) - loss(original):+.4f} |")
+        lines.append("")
     recipe, baseline = (explored(DEPTH[arm], ("depth.json", DEPTH[arm][1]), 96) for arm in ("recipe", "baseline"))
     if recipe and baseline:
         lines += ["## Depth at equal size: 4 layers x width 96, seeds 0-2", "",

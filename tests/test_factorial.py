@@ -19,9 +19,9 @@ SEED_SHIFT = {"A": (0.0, 0.01, 0.02), "B": (0.0, 0.02, 0.01), "C": (0.0, 0.01, 0
               "F": (0.0, 0.03, 0.02), "G": (0.0, 0.01, 0.02)}  # ... plus these at seeds 0, 1, 2
 
 
-def row(arm, seed, loss, lr, d=128):
+def row(arm, seed, loss, lr, d=128, cpu="Xeon"):
     return {"point": f"{arm}-{seed}-{lr}", "arm": arm, "seed": seed, "config": {"model": {"d_model": d}, "lr": lr},
-            "eval": {"loss": {"summary": {"loss": loss}}}}
+            "eval": {"loss": {"summary": {"loss": loss}}}, "machine": {"cpu": cpu}}
 
 
 @pytest.fixture
@@ -68,3 +68,16 @@ def test_an_arm_enters_once_its_seeds_ran_at_its_best_lr(study):
     write_json(str(study / "factorial.json"), {"rows": [row("C_gamma05", 1, 1.7, 1e-2)]})
     with pytest.raises(AssertionError, match="ran at lr 0.01, its seed-0 best is 0.005"):
         factorial.arm_rows("C", "explore")
+
+
+def test_rows_from_another_cpu_are_named_and_the_same_point_on_two_cpus_is_compared(study):
+    # A confirmation row that ran on another CPU is named under its table; a point rerun there is set beside
+    # its original, the difference by hand.
+    write_json(str(study / "confirm_wide.json"), {"rows": [row("recipe_d128", s, 1.70 + s / 1000, 5e-3)
+                                                           for s in (100, 101)]})
+    write_json(str(study / "confirm_factorial.json"), {"rows": [row("F_nogate", 100, 1.75, 5e-3),
+                                                                row("F_nogate", 101, 1.87, 5e-3, cpu="EPYC")]})
+    write_json(str(study / "machine_F.json"), {"rows": [row("F_nogate", 100, 1.7530, 5e-3, cpu="EPYC")]})
+    lines = factorial.report()
+    assert "Rows ran on 2 CPUs: EPYC: F 101; Xeon: A 100, A 101, F 100." in lines
+    assert "| F_nogate | 100 | Xeon | 1.7500 | EPYC | 1.7530 | +0.0030 |" in lines
