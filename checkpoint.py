@@ -611,9 +611,9 @@ def not_own_file(path, what):
 
 
 def lock_run_dir(run_dir):
-    """An exclusive OS lock on run_dir/train.lock, held for the life of this process and released
-    by the kernel when it dies (no stale lock after a crash or SIGKILL). The file says who holds
-    it, for the error a second launch gets."""
+    """An exclusive OS lock on run_dir/train.lock, held until the returned fd is closed, and released
+    by the kernel when the process dies (no stale lock after a crash or SIGKILL). The file says who
+    holds it, for the error a second launch gets."""
     path = os.path.join(run_dir, "train.lock")
     fd = open_in_run_dir(path, os.O_RDWR | os.O_CREAT)
     holder = lock_holder(fd, path, "train.py")
@@ -700,8 +700,9 @@ def make_run_dir(out):
                           f"(nothing was changed)") from None
 
 
-def open_run_dir(out, resume, rank, log):
-    """The run folder's complete checkpoints, oldest first, with its lock held. Rank 0 takes the
+def open_run_dir(out, resume, rank, log, held):
+    """The run folder's complete checkpoints, oldest first, with its lock held until the ExitStack `held` closes
+    (the run's end: a notebook may call train.main again on the folder) or the process dies. Rank 0 takes the
     lock, clears what killed runs left and lists the checkpoints, then tells the others: on a
     shared filesystem another node's stale directory cache could otherwise pick a different
     checkpoint (or none) and hang the job. Multi-node: out must be on a filesystem every node sees."""
@@ -709,7 +710,7 @@ def open_run_dir(out, resume, rank, log):
     if rank == 0:
         try:
             make_run_dir(out)
-            lock_run_dir(out)  # held until the process exits (the fd is never closed)
+            held.callback(os.close, lock_run_dir(out))
             clear_leftovers(out)
             found = [None, *scan_checkpoints(out)]
         except RunDirError as e:

@@ -22,6 +22,7 @@ if __name__ == "__main__":  # first: the imports below take seconds
     interrupt.while_starting("train.py: interrupted while starting, before anything was written; rerun the "
                              "same command")
 
+import contextlib
 import functools
 import json
 import math
@@ -131,18 +132,18 @@ EXPERIMENT = {k: DEFAULTS[k] for k in ("gamma", "init_overrides", "seed", "globa
 
 
 def train(cfg):
-    with interrupt.preemption_notices() as preempted:
-        return train_run(cfg, preempted)
+    with interrupt.preemption_notices() as preempted, contextlib.ExitStack() as held:
+        return train_run(cfg, preempted, held)
 
 
-def train_run(cfg, preempted):
+def train_run(cfg, preempted, held):
     rank, world, device = setup_distributed()
     torch.manual_seed(cfg["seed"])
     accum = grad_accum(cfg, world)
     mcfg = model_config(cfg, device.type)
     loader, val_loader, data_fp = open_data(cfg, mcfg, rank, world)
     bench = open_bench(cfg, mcfg)  # before the run folder exists: a bad bench_* setting is one line
-    done = open_run_dir(cfg["out_dir"], cfg["resume"], rank, log0)
+    done = open_run_dir(cfg["out_dir"], cfg["resume"], rank, log0, held)
     net, init_report = build_model(cfg, mcfg, device)
     opt = build_optimizer(net, cfg, device)
     track = tracked_weights(net, cfg, mcfg.n_layer)

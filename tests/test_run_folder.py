@@ -26,7 +26,7 @@ import train
 from conftest import launch_env
 from data import check_token_ids, data_fingerprint, load_meta
 from test_faults_eval import error_line
-from test_train import (ROOT, TINY, command, data_dir, rows, run_train,  # noqa: F401  (data_dir: the shared fixture)
+from test_train import (ROOT, TINY, command, data_dir, rows, run_here, run_train,  # noqa: F401  (data_dir: the shared fixture)
                         train_error)
 
 ARGS = [*TINY, "--max_steps=6", "--ckpt_interval=1", "--keep_last=3"]
@@ -36,7 +36,7 @@ ARGS = [*TINY, "--max_steps=6", "--ckpt_interval=1", "--keep_last=3"]
 def run6(data_dir, tmp_path_factory):  # noqa: F811
     """A finished 6-step run with a checkpoint every step (the last 3 kept): the reference."""
     out = str(tmp_path_factory.mktemp("ref") / "run")
-    run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={out}"])
+    run_here([*ARGS, f"--data_dir={data_dir}", f"--out_dir={out}"])
     return out
 
 
@@ -126,7 +126,7 @@ def test_damaged_newest_checkpoint_falls_back_and_says_so(run6, data_dir, tmp_pa
     data = bytearray(open(shard, "rb").read())
     data[: len(data) // 2] = os.urandom(len(data) // 2)
     open(shard, "wb").write(bytes(data))
-    p = run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
+    p = run_here([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
     assert "ckpt_00000006 could not be resumed" in p.stdout and "falling back" in p.stdout
     assert "resumed from " + os.path.join(run, "ckpt_00000005") in p.stdout
     assert rows(run, "loss") == rows(run6, "loss")  # step 6 redone from 5: bitwise the same
@@ -135,7 +135,7 @@ def test_damaged_newest_checkpoint_falls_back_and_says_so(run6, data_dir, tmp_pa
     run = copy_run(run6, tmp_path, "trunc")
     with open(glob.glob(os.path.join(run, "ckpt_00000006", "*.distcp"))[0], "r+b") as f:
         f.truncate(100)
-    p = run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
+    p = run_here([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
     assert "ckpt_00000006 is damaged (__0_0.distcp is truncated" in p.stdout and "resumed from" in p.stdout
 
 
@@ -190,8 +190,8 @@ def test_non_finite_weights_are_never_saved(data_dir, tmp_path):  # noqa: F811
     checkpoint. (An init can't be non-finite: γ is at most 3; nor can adam_eps give 0/0: it is at
     least float32's smallest normal.)"""
     out = str(tmp_path / "run")
-    p = run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--ckpt_interval=1", "--max_steps=4",
-                   "--warmup_steps=0", "--lr=2e38", "--betas=(0.0, 0.95)", "--weight_decay.norm=1.0"], ok=False)
+    p = run_here([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--ckpt_interval=1", "--max_steps=4",
+                  "--warmup_steps=0", "--lr=2e38", "--betas=(0.0, 0.95)", "--weight_decay.norm=1.0"], ok=False)
     err = one_line(p)
     assert "step 1: parameters or optimizer state are not finite" in err and "No checkpoint of this run was saved yet" in err
     assert not glob.glob(os.path.join(out, "*ckpt_*"))
@@ -242,7 +242,7 @@ def test_a_setting_added_to_train_pys_experiment_list_is_refused_on_resume(run6,
 def test_resume_refuses_a_different_experiment(run6, data_dir, tmp_path):  # noqa: F811
     run = copy_run(run6, tmp_path)
     base = [*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"]
-    err = one_line(run_train([*base, "--gamma=0.5", "--seed=1"], ok=False))  # a subprocess: the run then resumes
+    err = one_line(run_here([*base, "--gamma=0.5", "--seed=1"], ok=False))
     assert "gamma 1.0 there, 0.5 now; seed 0 there, 1 now" in err and "allow_resume_changes" in err
     meta = meta_of(run)
     fp = data_fingerprint(data_dir, load_meta(data_dir))
@@ -272,7 +272,7 @@ def test_resume_refuses_a_different_experiment(run6, data_dir, tmp_path):  # noq
     assert list(checkpoint.experiment_changes(meta_of(run), train.load_config(base), data_fingerprint(other, meta),
                                               train.EXPERIMENT)) == ["data"]
     # explicitly allowed: resumes, and the change is on record
-    p = run_train([*base, "--max_steps=7", "--allow_resume_changes=True"])
+    p = run_here([*base, "--max_steps=7", "--allow_resume_changes=True"])
     assert "resuming with changed settings" in p.stdout
     records = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if "resume_changes" in line]
     assert records == [{"step": 6, "resume_changes": {"max_steps": {"was": 6, "now": 7}}}]
@@ -282,7 +282,7 @@ def test_resume_refuses_a_different_experiment(run6, data_dir, tmp_path):  # noq
     meta7, config = (json.load(open(os.path.join(run, *f))) for f in (("ckpt_00000007", "meta.json"), ("config.json",)))
     assert meta7["config"]["max_steps"] == 6 == config["max_steps"]
     assert meta7["resume_changes"] == history == config["resume_changes"]
-    p = run_train([*base, "--max_steps=7"])  # 7 is what the run now is: no change, no flag needed
+    p = run_here([*base, "--max_steps=7"])  # 7 is what the run now is: no change, no flag needed
     assert "resumed from " + os.path.join(run, "ckpt_00000007") in p.stdout and "changed settings" not in p.stdout
 
 
@@ -300,12 +300,13 @@ class Boom:
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # torch's remark on the crafted file's pickle
 def test_rng_file_is_loaded_without_running_code(run6, data_dir, tmp_path):  # noqa: F811
     run = copy_run(run6, tmp_path)
     with open(os.path.join(run, "ckpt_00000006", "rng_rank0.pt"), "wb") as f:
         pickle.dump({"cpu": Boom(tmp_path / "PWNED")}, f)
     drop_checksums(os.path.join(run, "ckpt_00000006"))  # whoever crafts the file rewrites meta.json too
-    p = run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
+    p = run_here([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
     assert not (tmp_path / "PWNED").exists()
     assert "ckpt_00000006 could not be resumed (UnpicklingError" in p.stdout  # refused, not run
 
@@ -415,7 +416,7 @@ def test_a_flipped_byte_in_any_checkpoint_file_is_damage(run6, data_dir, tmp_pat
     ev.main(["loss", run, "--data", data_dir, "--tokens", "256"])
     assert "using ckpt_00000005; newer but damaged: ckpt_00000006" in capsys.readouterr().err
     assert checkpoint.load_model(newest, verify=False)[1]["path"] == newest  # the explicit way past the check
-    p = run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
+    p = run_here([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
     assert "ckpt_00000006 could not be resumed (DamagedCheckpoint: rng_rank0.pt does not match its sha256" in p.stdout
     assert rows(run, "loss") == rows(run6, "loss")  # step 6 redone from 5
 
@@ -517,7 +518,7 @@ def test_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_last(run6, data
     try:
         out = str(disk / "run")
         args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=8", "--ckpt_interval=1", "--keep_last=3"]
-        err = one_line(run_train(args, ok=False))
+        err = one_line(run_here(args, ok=False))
         assert err.startswith("no space left on device while saving") and "is intact. Free space and resume" in err
         complete, damaged = checkpoint.scan_checkpoints(out)
         assert complete and damaged == [] and not glob.glob(os.path.join(out, "tmp_*"))
@@ -545,7 +546,7 @@ def test_full_disk_at_start_names_the_file(data_dir, tmp_path, holds_lock):  # n
             with pytest.raises(OSError):
                 while True:
                     f.write(bytes(4096))
-        p = run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=4"], ok=False)
+        p = run_here([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=4"], ok=False)
         name = "config.json" if holds_lock else "train.lock"
         assert one_line(p) == (f"no space left on device writing {out / name}: free space and rerun (files written "
                                f"before are intact)")
@@ -682,13 +683,13 @@ def test_saving_the_init_does_not_change_the_run(data_dir, tmp_path):  # noqa: F
     resumed from it, the run is the same, bitwise."""
     args = [*TINY, f"--data_dir={data_dir}", "--max_steps=6", "--ckpt_interval=6"]
     plain, kept = str(tmp_path / "plain"), str(tmp_path / "kept")
-    run_train([*args, f"--out_dir={plain}"])
-    run_train([*args, f"--out_dir={kept}", "--keep_steps=[0]"])
+    run_here([*args, f"--out_dir={plain}"])
+    run_here([*args, f"--out_dir={kept}", "--keep_steps=[0]"])
     assert rows(kept, "loss") == rows(plain, "loss")
     resumed = str(tmp_path / "resumed")
     os.makedirs(resumed)
     shutil.copytree(os.path.join(kept, "ckpt_00000000"), os.path.join(resumed, "ckpt_00000000"))
-    p = run_train([*args, f"--out_dir={resumed}", "--keep_steps=[0]"])
+    p = run_here([*args, f"--out_dir={resumed}", "--keep_steps=[0]"])
     assert "resumed from" in p.stdout and rows(resumed, "loss") == rows(plain, "loss")
 
 

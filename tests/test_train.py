@@ -1,9 +1,11 @@
 """train.py: config system, schedules, shipped configs (dry run), and real CPU training runs:
 loss falls, grad accumulation and 2-rank FSDP2 match one process, exact resume after SIGKILL,
 resume on another world size, compile matches eager, NaN guard, export."""
+import contextlib
 import copy
 import glob
 import importlib.util
+import io
 import json
 import math
 import os
@@ -15,7 +17,6 @@ import struct
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -68,6 +69,25 @@ def command(args, nproc):
 def run_train(args, nproc=1, ok=True, env=None):
     p = subprocess.run(command(args, nproc), cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env=launch_env(env))
+    if ok:
+        assert p.returncode == 0, failure_text(p)
+    return p
+
+
+def run_here(args, ok=True):
+    """train.py's run in this process, through the main the process runs: for a check of what a run computes,
+    writes and prints, not of the process itself (its status on a signal, a second process, torchrun). The same
+    code without the ~4 s a process spends importing torch, DCP and dynamo. Returns what run_train does: status 0,
+    or 1 with the one line the process would print (interrupt.run's) as stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    status = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            train.main(args)
+        except train.ERRORS as e:
+            print(train.error_line(e), file=sys.stderr)
+            status = 1
+    p = subprocess.CompletedProcess(args, status, out.getvalue(), err.getvalue())
     if ok:
         assert p.returncode == 0, failure_text(p)
     return p
@@ -307,7 +327,7 @@ def test_config_pairs_differ_only_in_the_recipe():
 @pytest.mark.slow
 def test_first_log_line_comes_after_step_one(data_dir, tmp_path):
     out = tmp_path / "run"
-    p = run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=3", "--log_interval=10",
+    p = run_here([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=3", "--log_interval=10",
                    "--eval_interval=3", "--ckpt_interval=3"])
     logged = [line.split()[1] for line in p.stdout.splitlines() if re.match(r"step \d+/", line)]
     assert logged == ["1/3", "3/3"] and "(first step: compile and warm-up included)" in p.stdout
@@ -316,7 +336,7 @@ def test_first_log_line_comes_after_step_one(data_dir, tmp_path):
 
 def test_loss_falls(data_dir, tmp_path):
     out = str(tmp_path / "run")
-    run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=60", "--seq_len=64",
+    run_here([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=60", "--seq_len=64",
                "--global_batch=16", "--batch_size=16", "--eval_interval=60", "--eval_batches=2",
                "--ckpt_interval=20", "--keep_last=1", "--keep_steps=[0, 7]"])
     # keep_last=1 removed steps 20 and 40; keep_steps kept the init and step 7.
@@ -376,13 +396,12 @@ def moe_runs(data_dir, tmp_path_factory):
     base = [*MOE, f"--data_dir={masked}"]
     runs = {"1x4": (1, 4, []), "4x1": (1, 1, []), "fsdp2": (2, 2, []),
             "fsdp2_accum_ac": (2, 1, ["--model.activation_checkpointing=True"])}
-    def train_run(name):
-        nproc, batch, extra = runs[name]
-        run_train([*base, f"--out_dir={root / name}", f"--batch_size={batch}", *extra], nproc=nproc)
-    with ThreadPoolExecutor(2) as pool:  # the two 1-process runs side by side, a core each
-        list(pool.map(train_run, ["1x4", "4x1"]))
-    for name in ("fsdp2", "fsdp2_accum_ac"):
-        train_run(name)
+    for name, (nproc, batch, extra) in runs.items():
+        args = [*base, f"--out_dir={root / name}", f"--batch_size={batch}", *extra]
+        if nproc == 1:
+            run_here(args)
+        else:
+            run_train(args, nproc=nproc)
     return root, base
 
 
@@ -466,8 +485,8 @@ def test_sigkill_and_resume_is_bitwise_exact(data_dir, tmp_path):
 @pytest.mark.slow
 def test_compiled_run_matches_eager(data_dir, tmp_path):
     args = [*TINY, f"--data_dir={data_dir}", "--max_steps=6", "--ckpt_interval=6"]
-    run_train([*args, f"--out_dir={tmp_path / 'eager'}"])
-    run_train([*args, f"--out_dir={tmp_path / 'compiled'}", "--compile=True"])
+    run_here([*args, f"--out_dir={tmp_path / 'eager'}"])
+    run_here([*args, f"--out_dir={tmp_path / 'compiled'}", "--compile=True"])
     eager, compiled = rows(tmp_path / "eager", "loss"), rows(tmp_path / "compiled", "loss")
     assert sorted(compiled) == list(range(1, 7))
     for step in eager:
@@ -477,12 +496,12 @@ def test_compiled_run_matches_eager(data_dir, tmp_path):
 @pytest.mark.slow
 def test_nan_guard_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
     out = str(tmp_path / "nan")
-    p = run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=12",
-                   "--ckpt_interval=5", "--debug_nan_step=3"], ok=False)
+    p = run_here([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=12",
+                  "--ckpt_interval=5", "--debug_nan_step=3"], ok=False)
     assert p.returncode != 0 and "at step 3" in p.stderr and "No checkpoint of this run was saved yet" in p.stderr
     # no checkpoint yet: the next run starts over, and its metrics replace the failed run's
-    p = run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=12",
-                   "--ckpt_interval=5", "--debug_nan_step=8"], ok=False)
+    p = run_here([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=12",
+                  "--ckpt_interval=5", "--debug_nan_step=8"], ok=False)
     assert p.returncode != 0
     last = os.path.join(out, "ckpt_00000005")
     assert "non-finite loss nan" in p.stderr and "at step 8" in p.stderr and last in p.stderr
@@ -491,11 +510,11 @@ def test_nan_guard_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
     assert sorted(rows(out, "loss")) == list(range(1, 8))  # once each; nothing for the poisoned step
     assert sorted(rows(out, "val_loss")) == [0, 5]
     path = str(tmp_path / "last.pt")
-    subprocess.run([sys.executable, "train.py", "export", last, path], cwd=ROOT, check=True, capture_output=True)
+    checkpoint.export(last, path)
     blob, net = load_export(path)
     assert blob["step"] == 5 and all(torch.isfinite(v).all() for v in blob["model"].values())
     # the run continues from the intact checkpoint once the cause is gone
-    run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=12", "--ckpt_interval=5"])
+    run_here([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=12", "--ckpt_interval=5"])
     assert max(rows(out, "loss")) == 12
     assert "already holds checkpoints (ckpt_00000012)" in train_error([*TINY, f"--data_dir={data_dir}",
                                                                       f"--out_dir={out}", "--resume=False"])
