@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 import checkpoint
 from test_run_folder import ARGS, copy_run, one_line, run6  # noqa: F401  (run6: the shared reference run)
-from test_train import data_dir, rows, run_train, train_error  # noqa: F401  (data_dir: the shared fixture)
+from test_train import data_dir, rows, run_here, train_error  # noqa: F401  (data_dir: the shared fixture)
 
 NEWEST, PREVIOUS = "ckpt_00000006", "ckpt_00000005"
 TRUEDIV = pathlib.PosixPath.__truediv__
@@ -104,7 +104,7 @@ def test_a_crafted_metadata_is_damage_and_changes_nothing_in_the_process(run6, t
 def test_resume_falls_back_from_a_crafted_metadata(run6, data_dir, tmp_path):  # noqa: F811
     run = copy_run(run6, tmp_path)
     rewrite(os.path.join(run, NEWEST), ".metadata", CRAFTED["build-on-a-class"])
-    p = run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
+    p = run_here([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
     assert f"{NEWEST} is damaged (its .metadata sets attributes of <class 'pathlib.PosixPath'>" in p.stdout
     assert "resumed from " + os.path.join(run, PREVIOUS) in p.stdout
     assert rows(run, "loss") == rows(run6, "loss")  # step 6 redone from 5: the process was sane throughout
@@ -115,7 +115,7 @@ def test_a_checkpoint_without_its_sidecar_is_named_and_an_edited_data_position_r
     # Whole, its sidecar deleted (or from before sidecars): resumed, and said so.
     run = copy_run(run6, tmp_path)
     os.remove(os.path.join(run, NEWEST, checkpoint.META_SUM))
-    p = run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
+    p = run_here([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
     assert f"{os.path.join(run, NEWEST)} has no meta.json.sha256 (deleted, or written before checkpoints had one): " \
         "its meta.json is checked only against its step" in p.stdout
     assert "resumed from " + os.path.join(run, NEWEST) in p.stdout
@@ -126,7 +126,7 @@ def test_a_checkpoint_without_its_sidecar_is_named_and_an_edited_data_position_r
     with open(os.path.join(run, NEWEST, "meta.json"), "w") as f:
         json.dump(meta, f)
     os.remove(os.path.join(run, NEWEST, checkpoint.META_SUM))
-    p = run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
+    p = run_here([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
     assert re.search(rf"{NEWEST} could not be resumed \(meta.json puts the data at epoch \d+, window \d+, where 6 steps "
                      r"of 4 windows end at epoch \d+, window \d+: edited after it was written\)", p.stdout), p.stdout
     assert "resumed from " + os.path.join(run, PREVIOUS) in p.stdout
@@ -252,7 +252,7 @@ def test_resume_falls_back_from_a_damaged_meta_json(run6, data_dir, tmp_path, da
         flip_data_position(newest)
     else:
         write_meta(newest, b"[]")
-    p = run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
+    p = run_here([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
     assert f"{newest} is damaged (meta.json " in p.stdout and "resumed from " + os.path.join(run, PREVIOUS) in p.stdout
     assert rows(run, "loss") == rows(run6, "loss")  # step 6 redone from 5, at the data position saved there
 
@@ -346,7 +346,7 @@ def test_a_symlinked_checkpoint_is_never_read_and_only_its_link_is_pruned(run6, 
     shutil.move(link, elsewhere)
     os.symlink(elsewhere, link)
     before = folder_bytes(elsewhere)
-    p = run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
+    p = run_here([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
     assert f"{link} is damaged (a symlink: not followed" in p.stdout
     assert "resumed from " + os.path.join(run, PREVIOUS) in p.stdout
     assert folder_bytes(elsewhere) == before

@@ -22,7 +22,7 @@ import fileio
 from conftest import launch_env
 from test_faults_checkpoint import NEWEST, PREVIOUS, write_meta
 from test_run_folder import ARGS, copy_run, limit_file_size, one_line, run6  # noqa: F401  (run6: the reference run)
-from test_train import ROOT, TINY, data_dir, rows, run_train, train_error  # noqa: F401  (data_dir: the fixture)
+from test_train import ROOT, TINY, data_dir, rows, run_here, train_error  # noqa: F401  (data_dir: the fixture)
 
 
 def run_cli(*args, **kwargs):
@@ -181,7 +181,7 @@ def test_a_file_or_folder_in_the_wrong_place_is_one_line_and_kept(data_dir, tmp_
         expected = (f"out_dir={out} is a file, or lies under one, not a folder: choose another out_dir (nothing was "
                     f"changed)")
     before = listing(tmp_path)
-    p = run_train([*TINY, "--max_steps=3", f"--data_dir={data_dir}", f"--out_dir={out}"], ok=False)
+    p = run_here([*TINY, "--max_steps=3", f"--data_dir={data_dir}", f"--out_dir={out}"], ok=False)
     assert p.returncode == 1 and one_line(p) == expected
     if where.startswith("out_dir"):
         assert listing(tmp_path) == before
@@ -302,7 +302,7 @@ def test_an_export_whose_model_config_gpt_refuses_is_one_line(run6, tmp_path):
 def test_resume_falls_back_from_a_resealed_bad_position_or_refuses_in_one_line(run6, data_dir, tmp_path):  # noqa: F811
     run = copy_run(run6, tmp_path)
     reseal(os.path.join(run, NEWEST), set_state("pos", -8))
-    p = run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
+    p = run_here([*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"])
     assert f"{os.path.join(run, NEWEST)} is damaged (meta.json has data_state " in p.stdout
     assert "resumed from " + os.path.join(run, PREVIOUS) in p.stdout
     assert rows(run, "loss") == rows(run6, "loss")  # step 6 redone from 5, at the data position saved there
@@ -310,7 +310,7 @@ def test_resume_falls_back_from_a_resealed_bad_position_or_refuses_in_one_line(r
     for ckpt in checkpoint.complete_checkpoints(every):
         reseal(ckpt, set_state("pos", -8))
     before = listing(os.path.join(every, NEWEST))
-    p = run_train([*ARGS, f"--data_dir={data_dir}", f"--out_dir={every}"], ok=False)
+    p = run_here([*ARGS, f"--data_dir={data_dir}", f"--out_dir={every}"], ok=False)
     assert p.returncode == 1 and one_line(p).startswith(f"every checkpoint in {every} is damaged ({NEWEST}: meta.json "
                                                         f"has data_state ")
     assert listing(os.path.join(every, NEWEST)) == before
@@ -322,8 +322,8 @@ D_MODEL = 10**7  # a 1e14-element attention matrix: no allocator hands out 400 T
 
 def test_a_model_too_big_for_memory_is_one_line(data_dir, tmp_path):  # noqa: F811
     out = str(tmp_path / "run")
-    p = run_train([*TINY, "--max_steps=3", f"--data_dir={data_dir}", f"--out_dir={out}",
-                   f"--model.d_model={D_MODEL}"], ok=False)
+    p = run_here([*TINY, "--max_steps=3", f"--data_dir={data_dir}", f"--out_dir={out}",
+                  f"--model.d_model={D_MODEL}"], ok=False)
     assert p.returncode == 1
     assert re.fullmatch(rf"config: model_size='tiny', model={{'d_model': {D_MODEL}}}: the model \([\d,]+ parameters, "
                         rf"[\d.e+]+ GiB in fp32\) asks for more memory than there is \(the allocator could not get "
