@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import tiktoken
-import torch
 from tqdm import tqdm
 
 from fileio import NotOwnFile, open_regular, parse_json, path_kind, sha256_file
@@ -405,6 +404,7 @@ class TokenLoader:
             y[rows] = chunk[:, 1:] if shard.mask is None else np.where(shard.mask[targets] == 1, chunk[:, 1:], -1)
             # the source of each target token: the document it lies in (a doc's eot belongs to it)
             src[rows] = shard.docs[np.searchsorted(shard.docs[:, 0], targets, side="right") - 1, 1]
+        import torch  # here, not at the top: prepare_data.py reads this module and needs no torch (~1.7 s a start)
         if with_sources:
             return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(src)
         return torch.from_numpy(x), torch.from_numpy(y)

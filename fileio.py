@@ -166,7 +166,7 @@ def lock_holder(fd, path, who):
     """An exclusive OS lock on the open file fd (path: its name), taken without waiting and released by
     the kernel when the process dies (no stale lock after a crash or SIGKILL). Returns None once taken,
     the file then saying `who` holds it (e.g. "train.py pid 12 on host h (since ...)"); else the line
-    the holder wrote, for the error the second process gives (fd is then closed)."""
+    the holder wrote, for the error the second process gives (fd is then closed, as when writing fails)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -174,10 +174,14 @@ def lock_holder(fd, path, who):
         holders = lock_pids(fd)
         os.close(fd)
         return live_holder(written, holders)
-    with naming(path):
-        os.ftruncate(fd, 0)  # the holder before was killed: its line stayed
-        os.write(fd, f"{who} pid {os.getpid()} on host {socket.gethostname()} "
-                     f"(since {time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode())
+    try:
+        with naming(path):
+            os.ftruncate(fd, 0)  # the holder before was killed: its line stayed
+            os.write(fd, f"{who} pid {os.getpid()} on host {socket.gethostname()} "
+                         f"(since {time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode())
+    except OSError:  # a full disk: the error, and the fd closed (a process that goes on keeps no file open)
+        os.close(fd)
+        raise
     return None
 
 

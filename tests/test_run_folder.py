@@ -526,7 +526,8 @@ def test_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_last(run6, data
         assert checkpoint.checkpoint_problem(complete[-1]) is None
         assert sorted(rows(out, "loss"))[-1] >= int(complete[-1][-8:])  # metrics kept up to the failure
     finally:
-        subprocess.run(["umount", str(disk)], capture_output=True)
+        unmounted = subprocess.run(["umount", str(disk)], capture_output=True).returncode == 0
+    assert unmounted, "the run (in this process) left a file open on the disk"
 
 
 @pytest.mark.slow
@@ -551,7 +552,8 @@ def test_full_disk_at_start_names_the_file(data_dir, tmp_path, holds_lock):  # n
         assert one_line(p) == (f"no space left on device writing {out / name}: free space and rerun (files written "
                                f"before are intact)")
     finally:
-        subprocess.run(["umount", str(disk)], capture_output=True)
+        unmounted = subprocess.run(["umount", str(disk)], capture_output=True).returncode == 0
+    assert unmounted, "the run (in this process) left a file open on the disk"
 
 
 def limit_file_size(limit):
