@@ -24,6 +24,7 @@ import train
 from conftest import launch_env
 from init import init_model_
 from model import GPT, config_for
+from test_train import run_here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KIT_HELLASWAG = os.path.join(ROOT, "..", "shared", "data", ds.KIT_HELLASWAG)
@@ -324,17 +325,16 @@ def test_train_py_logs_the_benchmark_and_a_resume_redoes_only_its_own_rows(tmp_p
     equal to eval.py bench on that step's checkpoint; killed after step 4 (its checkpoints past
     step 4 removed), the resumed run redoes step 6's row and no other."""
     out = tmp_path / "run"
-    command = [sys.executable, "train.py", "config/anchor_gamma1.py", f"--data_dir={anchor_data}", f"--out_dir={out}",
-               "--max_steps=6", "--warmup_steps=1", "--eval_interval=2", "--eval_batches=1", "--ckpt_interval=2",
-               "--keep_last=3", "--log_interval=1", "--global_batch=32", "--batch_size=32", "--bench_interval=2",
-               "--bench_task=anchor", "--bench_limit=20"]
+    args = [os.path.join(ROOT, "config", "anchor_gamma1.py"), f"--data_dir={anchor_data}", f"--out_dir={out}",
+            "--max_steps=6", "--warmup_steps=1", "--eval_interval=2", "--eval_batches=1", "--ckpt_interval=2",
+            "--keep_last=3", "--log_interval=1", "--global_batch=32", "--batch_size=32", "--bench_interval=2",
+            "--bench_task=anchor", "--bench_limit=20"]
 
     def bench_rows():
         with open(out / "metrics.jsonl") as f:
             return [r for r in map(json.loads, f) if "bench_anchor_seen_pair_acc" in r]
 
-    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=launch_env(), timeout=300)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    run = run_here(args)
     first = bench_rows()
     assert [r["step"] for r in first] == [0, 2, 4, 6]
     assert run.stdout.count("bench anchor: seen_pair_acc ") == 4
@@ -344,8 +344,7 @@ def test_train_py_logs_the_benchmark_and_a_resume_redoes_only_its_own_rows(tmp_p
         got = next(r for r in first if r["step"] == step)
         assert {k: v for k, v in got.items() if k not in ("step", "bench_s")} == want
     shutil.rmtree(out / "ckpt_00000006")
-    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=launch_env(), timeout=300)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    run_here(args)
     again = bench_rows()
     assert [r["step"] for r in again] == [0, 2, 4, 6]
     assert again[:3] == first[:3]  # the rows before the checkpoint are kept as they were

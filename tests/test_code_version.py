@@ -15,7 +15,7 @@ import configurator
 import downstream
 import eval as ev
 import sweep
-from test_train import ROOT, TINY, command, data_dir, run_train  # noqa: F401  (data_dir: the shared fixture)
+from test_train import ROOT, TINY, command, data_dir, run_here  # noqa: F401  (data_dir: the shared fixture)
 from conftest import failure_text, launch_env
 
 RUN = [*TINY, "--max_steps=3", "--ckpt_interval=3"]
@@ -25,7 +25,7 @@ RUN = [*TINY, "--max_steps=3", "--ckpt_interval=3"]
 def run3(data_dir, tmp_path_factory):  # noqa: F811
     """A finished 3-step run of the repo's code, its one checkpoint at step 3: tests copy it."""
     out = str(tmp_path_factory.mktemp("ref") / "run")
-    run_train([*RUN, f"--data_dir={data_dir}", f"--out_dir={out}"])
+    run_here([*RUN, f"--data_dir={data_dir}", f"--out_dir={out}"])
     return out
 
 
@@ -139,8 +139,8 @@ def test_a_checkpoint_written_without_a_code_version_still_resumes_and_exports(r
         f.write(f"{hashlib.sha256(raw).hexdigest()}  meta.json\n")
     checkpoint.export(ckpt, str(tmp_path / "m.pt"))  # what `train.py export` runs
     assert checkpoint.load_model(str(tmp_path / "m.pt"))[1]["step"] == 3
-    p = run_train([*RUN, f"--data_dir={data_dir}", f"--out_dir={run}", "--max_steps=4", "--ckpt_interval=1",
-                   "--allow_resume_changes=True"])
+    p = run_here([*RUN, f"--data_dir={data_dir}", f"--out_dir={run}", "--max_steps=4", "--ckpt_interval=1",
+                  "--allow_resume_changes=True"])
     assert "resumed from " + ckpt in p.stdout
     assert "code_version" not in checkpoint.read_meta(ckpt)
     # (not compared with today's code version: the working tree may change while the test runs)

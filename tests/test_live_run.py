@@ -14,7 +14,7 @@ import checkpoint
 import eval as ev
 import interrupt
 from conftest import launch_env
-from test_train import ROOT, TINY, command, data_dir, rows, run_train  # noqa: F401 (data_dir: a fixture)
+from test_train import ROOT, TINY, command, data_dir, rows, run_here  # noqa: F401 (data_dir: a fixture)
 
 # Readers started at once beside the training, which prunes what they read meanwhile (the test checks it). Ten evals
 # and three exports took 85 s on one core, these 40 s.
@@ -114,7 +114,7 @@ def logged_step(out, step, proc):
 def test_sigterm_saves_the_step_and_the_resume_is_bitwise(data_dir, tmp_path):
     args = [*TINY, f"--data_dir={data_dir}", "--max_steps=120", "--ckpt_interval=1000", "--eval_interval=30"]
     ref = str(tmp_path / "ref")
-    run_train([*args, f"--out_dir={ref}"])
+    run_here([*args, f"--out_dir={ref}"])
     sig = signal.SIGTERM  # SIGUSR1: test_a_notice_to_one_rank_stops_every_rank_after_the_same_step
     out = str(tmp_path / sig.name)
     proc = start([*args, f"--out_dir={out}"])
@@ -128,7 +128,7 @@ def test_sigterm_saves_the_step_and_the_resume_is_bitwise(data_dir, tmp_path):
     assert err.strip().splitlines() == [
         f"{sig.name} at step {int(saved[0][-8:])}/120: saved {saved[0]}; the same command resumes from it "
         f"(exit status 75: requeue the job)"], err
-    resumed = run_train([*args, f"--out_dir={out}"])
+    resumed = run_here([*args, f"--out_dir={out}"])
     assert f"resumed from {saved[0]}" in resumed.stdout
     for field in ("loss", "grad_norm", "val_loss"):
         assert rows(out, field) == rows(ref, field), field
@@ -139,20 +139,24 @@ def test_ctrl_c_at_any_point_of_an_eval_is_one_line(data_dir, tmp_path):
     # Startup, loading, compiling the mask function, the batches, the end: an error that a Ctrl-C caused
     # inside a compiled function or a C++ op (torch's INTERNAL ASSERT) is the interrupted line too.
     run = str(tmp_path / "run")
-    run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={run}", "--max_steps=3"])
+    run_here([*TINY, f"--data_dir={data_dir}", f"--out_dir={run}", "--max_steps=3"])
     lines = {"eval.py: interrupted while starting, before anything was written; rerun the same command",
              "interrupted: eval.py loss stopped before it finished; nothing is half-written, run the same command "
              "again for its results"}
+    command = [sys.executable, "eval.py", "loss", run, "--data", data_dir, "--tokens", "30000"]
+    began = time.time()
+    subprocess.run(command, cwd=ROOT, capture_output=True, env=launch_env(), check=True, timeout=300)
+    whole = time.time() - began  # the Ctrl-Cs are spread over the uninterrupted eval's time, whatever the load
     outcomes = []
-    for delay in (0.3, 1.2, 2.0, 2.8, 3.6, 5.0):
-        proc = subprocess.Popen([sys.executable, "eval.py", "loss", run, "--data", data_dir, "--tokens", "30000"],
-                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
-        time.sleep(delay)
+    for fraction in (0.1, 0.3, 0.45, 0.6, 0.75, 0.9):
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=launch_env())
+        time.sleep(fraction * whole)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
         said = [line for line in err.splitlines() if not line.startswith("loss:")]  # the progress lines
         assert (proc.returncode, said) == (0, []) or (proc.returncode == 130 and len(said) == 1 and
-                                                     said[0] in lines), (delay, err)
+                                                     said[0] in lines), (fraction, err)
         outcomes.append(said[0][:20] if said else "finished")
     assert len(set(outcomes)) > 1, outcomes  # the Ctrl-Cs met it at different points
 

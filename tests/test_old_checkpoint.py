@@ -18,7 +18,7 @@ import checkpoint
 from conftest import failure_text, launch_env
 from fileio import read_json
 from model import GPT, GPTConfig
-from test_train import ROOT, TINY, command, rows, run_train
+from test_train import ROOT, TINY, command, rows, run_here
 
 OLD = "09a9812"  # the last commit before issue 40 moved data, analysis and the HF model out of place
 ARGS = [*TINY, "--max_steps=6", "--ckpt_interval=2"]
@@ -108,7 +108,7 @@ def test_old_run_resumes_as_the_same_experiment(old_run, tmp_path):
     assert not os.path.exists(os.path.join(ckpt, "meta.json.sha256"))
     before = file_sums(ckpt)
 
-    p = run_train([*ARGS, f"--data_dir={old_run['data']}", f"--out_dir={run}"])
+    p = run_here([*ARGS, f"--data_dir={old_run['data']}", f"--out_dir={run}"])
     said = p.stdout + p.stderr
     assert f"resumed from {ckpt} at step 4" in p.stdout
     # The same experiment: no setting, data fingerprint or model counted as changed, nothing damaged.
@@ -122,7 +122,7 @@ def test_old_run_resumes_as_the_same_experiment(old_run, tmp_path):
     assert checkpoint.read_meta(os.path.join(run, "ckpt_00000006"))["code_version"] == version
 
     ref = str(tmp_path / "ref")
-    run_train([*ARGS, f"--data_dir={old_run['data']}", f"--out_dir={ref}"])
+    run_here([*ARGS, f"--data_dir={old_run['data']}", f"--out_dir={ref}"])
     for field in FIELDS:
         old, resumed, scratch = old_run["rows"][field], rows(run, field), rows(ref, field)
         assert sorted(resumed) == sorted(scratch), field  # every step once: the old steps 5-6 were redone

@@ -14,7 +14,7 @@ from conftest import tiny
 from init import init_model_
 from model import GPT
 from optim import build_optimizer
-from test_train import TINY, byte_dataset, rows, run_train
+from test_train import TINY, byte_dataset, rows, run_here, run_train
 
 
 def newton_schulz(g, steps=5):
@@ -101,10 +101,10 @@ def muon_runs(tmp_path_factory):
     data = byte_dataset(root / "data")
     args = [*TINY, f"--data_dir={data}", "--optimizer=muon", "--max_steps=6", "--ckpt_interval=3",
             "--eval_interval=3", "--keep_last=4"]
-    run_train([*args, f"--out_dir={root / 'ref'}"])
+    run_here([*args, f"--out_dir={root / 'ref'}"])
     (root / "resumed").mkdir()
     shutil.copytree(root / "ref" / "ckpt_00000003", root / "resumed" / "ckpt_00000003")
-    resumed = run_train([*args, f"--out_dir={root / 'resumed'}"])
+    resumed = run_here([*args, f"--out_dir={root / 'resumed'}"])
     run_train([*args, f"--out_dir={root / 'ranks2'}", "--batch_size=2"], nproc=2)
     return root, resumed.stdout
 

@@ -13,7 +13,7 @@ import torch
 import checkpoint
 import train
 from conftest import launch_env
-from test_train import ROOT, TINY, data_dir, run_train, train_error  # noqa: F401  (data_dir: the shared fixture)
+from test_train import ROOT, TINY, data_dir, run_here, train_error  # noqa: F401  (data_dir: the shared fixture)
 
 GAMMA = ("is outside 0 < γ <= 3: at γ <= 0 weights do not shrink with width, above 3 they start near 0; use e.g. "
          "0.5 (standard) or 1.0")
@@ -140,7 +140,7 @@ runpy.run_path("train.py", run_name="__main__")
 @pytest.fixture(scope="module")
 def ckpt(data_dir, tmp_path_factory):  # noqa: F811
     out = tmp_path_factory.mktemp("run") / "run"
-    run_train([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=2", "--warmup_steps=1"])
+    run_here([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=2", "--warmup_steps=1"])
     return checkpoint.complete_checkpoints(str(out))[-1]
 
 
@@ -190,9 +190,7 @@ def test_pt_export_of_a_run_folder_is_its_newest_intact_checkpoint(ckpt, tmp_pat
     complete checkpoint folder"). Reference: the export of that checkpoint folder itself."""
     run = os.path.dirname(ckpt)
     checkpoint.export(ckpt, str(tmp_path / "ckpt.pt"))
-    p = subprocess.run([sys.executable, "train.py", "export", run, str(tmp_path / "run.pt")], cwd=ROOT,
-                       capture_output=True, text=True, env=launch_env(), timeout=300)
-    assert p.returncode == 0, p.stderr
+    train.main(["export", run, str(tmp_path / "run.pt")])
     want, got = (torch.load(tmp_path / n, weights_only=True) for n in ("ckpt.pt", "run.pt"))
     assert got["step"] == want["step"] and got["model"].keys() == want["model"].keys()
     assert all(torch.equal(got["model"][k], want["model"][k]) for k in want["model"])
