@@ -39,6 +39,7 @@ def converted_frames(fn):
 
 @pytest.mark.slow
 def test_compiled_model_matches_the_eager_one_and_leaves_other_models_eager(monkeypatch):
+    torch._dynamo.reset()  # a compile earlier in this process (an in-process training run) would be reused, uncounted
     monkeypatch.setattr(loss_module, "LOSS_CHUNK_ELEMENTS", 128 * VOCAB)
     rows = loss_chunk_rows(VOCAB)
     assert rows == 128 and 300 % rows  # three chunks, the last one ragged

@@ -57,11 +57,12 @@ def send(proc, sig):
 
 
 # ----------------------------------------------------------------------------- F23, F24: signals
-def loading_torch(pid):
-    """pid has mapped libtorch: it is inside `import torch`, which goes on for a second or more."""
+def loading(pid, library):
+    """pid has mapped the library: it is inside the import that loads it (libtorch: `import torch`, which goes on
+    for a second or more; numpy's _multiarray_umath: `import numpy`, tenths of a second, with more imports after)."""
     try:
         with open(f"/proc/{pid}/maps") as f:
-            return "libtorch" in f.read()
+            return library in f.read()
     except OSError:  # ended
         return False
 
@@ -87,8 +88,10 @@ def test_ctrl_c_while_importing_is_one_line(script, tmp_path):
     args, line = LAUNCHES[script]
     proc = launch(script, *args(tmp_path))
     try:
-        while not loading_torch(proc.pid) and proc.poll() is None:
-            pass  # no sleep: the signal must land while torch loads
+        # prepare_data.py needs no torch: its imports are numpy's, tiktoken's and the repo's
+        library = "_multiarray_umath" if script == "prepare_data.py" else "libtorch"
+        while not loading(proc.pid, library) and proc.poll() is None:
+            pass  # no sleep: the signal must land while the imports go on
         send(proc, signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
