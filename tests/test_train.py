@@ -328,7 +328,7 @@ def test_config_pairs_differ_only_in_the_recipe():
 def test_first_log_line_comes_after_step_one(data_dir, tmp_path):
     out = tmp_path / "run"
     p = run_here([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=3", "--log_interval=10",
-                   "--eval_interval=3", "--ckpt_interval=3"])
+                  "--eval_interval=3", "--ckpt_interval=3"])
     logged = [line.split()[1] for line in p.stdout.splitlines() if re.match(r"step \d+/", line)]
     assert logged == ["1/3", "3/3"] and "(first step: compile and warm-up included)" in p.stdout
     assert sorted(rows(out, "loss")) == [3]  # metrics.jsonl keeps log_interval's rows (and the last step)
@@ -337,8 +337,8 @@ def test_first_log_line_comes_after_step_one(data_dir, tmp_path):
 def test_loss_falls(data_dir, tmp_path):
     out = str(tmp_path / "run")
     run_here([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=60", "--seq_len=64",
-               "--global_batch=16", "--batch_size=16", "--eval_interval=60", "--eval_batches=2",
-               "--ckpt_interval=20", "--keep_last=1", "--keep_steps=[0, 7]"])
+              "--global_batch=16", "--batch_size=16", "--eval_interval=60", "--eval_batches=2",
+              "--ckpt_interval=20", "--keep_last=1", "--keep_steps=[0, 7]"])
     # keep_last=1 removed steps 20 and 40; keep_steps kept the init and step 7.
     assert sorted(os.listdir(out)) == ["ckpt_00000000", "ckpt_00000007", "ckpt_00000060", "config.json", "metrics.jsonl",
                                        "train.lock"]
