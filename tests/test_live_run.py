@@ -140,9 +140,11 @@ def test_ctrl_c_at_any_point_of_an_eval_is_one_line(data_dir, tmp_path):
     # inside a compiled function or a C++ op (torch's INTERNAL ASSERT) is the interrupted line too.
     run = str(tmp_path / "run")
     run_here([*TINY, f"--data_dir={data_dir}", f"--out_dir={run}", "--max_steps=3"])
+    # The third line is interrupt.run's own: a Ctrl-C between the imports and main's try, or after its result.
     lines = {"eval.py: interrupted while starting, before anything was written; rerun the same command",
              "interrupted: eval.py loss stopped before it finished; nothing is half-written, run the same command "
-             "again for its results"}
+             "again for its results",
+             "interrupted: eval.py stopped; nothing is half-written, run the same command again for its results"}
     command = [sys.executable, "eval.py", "loss", run, "--data", data_dir, "--tokens", "30000"]
     began = time.time()
     subprocess.run(command, cwd=ROOT, capture_output=True, env=launch_env(), check=True, timeout=300)
