@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from fileio import atomic_write_bytes, read_json  # noqa: E402
-from report import format_delta, pyplot, save_figure, seed_deltas  # noqa: E402
+from report import format_delta, pyplot, save_figure  # noqa: E402
 
 # arm: (what it is, its seed-0 lr grid file and arm name, the file and arm name of its other seeds and of its
 # confirmation seeds)
@@ -52,6 +52,8 @@ CONTRASTS = [
     ("(F − A) − (B − C)", "the gate helps γ=1 more than γ=0.5", [(1, "F"), (-1, "A"), (-1, "B"), (1, "C")]),
     ("B − A", "the recipe's whole gain", [(1, "B"), (-1, "A")]),
 ]
+# results/confirm_factorial.md fixed the confirmation's machine
+PREREGISTERED_CPU = "Intel(R) Xeon(R) Processor"
 # The same point rerun on another CPU (`cpu_lm.sh machine_factorial`): (file, arm) of the rerun and of the original
 MACHINE = [(("machine_recipe.json", "recipe_d128"), ("confirm_wide.json", "recipe_d128")),
            (("machine_F.json", "F_nogate"), ("confirm_factorial.json", "F_nogate"))]
@@ -98,6 +100,15 @@ def contrast(terms, rows):
     return {s: sum(sign * by_arm[arm][s] for sign, arm in terms) for s in sorted(seeds)}
 
 
+def contrast_table(rows):
+    lines = ["| contrast | positive means | seeds | mean ± std [95%] |", "|---|---|---|---|"]
+    for name, meaning, terms in CONTRASTS:
+        values = contrast(terms, rows)
+        if len(values) > 1:
+            lines.append(f"| {name} | {meaning} | {len(values)} | {format_delta(list(values.values()))} |")
+    return lines
+
+
 def report():
     lines = ["# Which change carries width 128's gain (issue 45)", "",
              "Written by `python results/factorial.py` from the result files beside it (module docstring: "
@@ -114,17 +125,17 @@ def report():
                 per_seed = ", ".join(f"{r['seed']}: {loss(r):.4f}" for r in sorted(found, key=lambda r: r["seed"]))
                 mean = sum(map(loss, found)) / len(found)
                 lines.append(f"| {arm} | {ARMS[arm][0]} | {found[0]['config']['lr']:g} | {per_seed} | {mean:.4f} |")
-        lines += ["", "| contrast | positive means | seeds | mean ± std [95%] |", "|---|---|---|---|"]
-        for name, meaning, terms in CONTRASTS:
-            values = contrast(terms, rows)
-            if values:
-                lines.append(f"| {name} | {meaning} | {len(values)} | {format_delta(list(values.values()))} |")
-        lines.append("")
+        lines += [""] + contrast_table(rows) + [""]
         cpus = sorted({r["machine"]["cpu"] for found in rows.values() for r in found})
         if len(cpus) > 1:  # numbers are bitwise only within one machine (results/README.md)
             lines += [f"Rows ran on {len(cpus)} CPUs: " + "; ".join(
                 f"{cpu}: " + ", ".join(f"{arm} {r['seed']}" for arm, found in rows.items() for r in found
                                         if r["machine"]["cpu"] == cpu) for cpu in cpus) + ".", ""]
+            if phase == "confirm":
+                lines += [f"The same contrasts on the seeds whose every row ran on the pre-registered CPU "
+                          f"({PREREGISTERED_CPU}) only (fewer seeds: not a verdict):", ""]
+                lines += contrast_table({arm: [r for r in found if r["machine"]["cpu"] == PREREGISTERED_CPU]
+                                         for arm, found in rows.items()}) + [""]
         if phase == "explore":
             figure = rows
     checks = [(rerun, original) for (rerun_file, arm), (original_file, _) in MACHINE
@@ -140,9 +151,17 @@ def report():
     recipe, baseline = (explored(DEPTH[arm], ("depth.json", DEPTH[arm][1]), 96) for arm in ("recipe", "baseline"))
     if recipe and baseline:
         lines += ["## Depth at equal size: 4 layers x width 96, seeds 0-2", "",
-                  f"Recipe lr {recipe[0]['config']['lr']:g}, baseline lr {baseline[0]['config']['lr']:g}. Gain "
-                  f"(baseline − recipe, paired by seed): {format_delta(list(seed_deltas(recipe, baseline).values()))}.",
-                  ""]
+                  "| arm | seed 0 by lr | lr | loss per seed | mean |", "|---|---|---|---|---|"]
+        for arm, found in (("recipe", recipe), ("baseline", baseline)):
+            grid = sorted((r for r in load(DEPTH[arm][0]) if r["arm"] == DEPTH[arm][1]),
+                          key=lambda r: r["config"]["lr"])
+            lines.append(f"| {arm} | " + ", ".join(f"{r['config']['lr']:g}: {loss(r):.4f}" for r in grid) +
+                         f" | {found[0]['config']['lr']:g} | " + ", ".join(f"{r['seed']}: {loss(r):.4f}" for r in found)
+                         + f" | {sum(map(loss, found)) / len(found):.4f} |")
+        cpus = sorted({r["machine"]["cpu"] for arm in DEPTH for r in load(DEPTH[arm][0]) + load("depth.json")})
+        gains = contrast([(1, "baseline"), (-1, "recipe")], {"recipe": recipe, "baseline": baseline})
+        lines += ["", f"Gain (baseline − recipe, paired by seed): {format_delta(list(gains.values()))}. "
+                  f"CPUs: {', '.join(cpus)}.", ""]
     atomic_write_bytes(os.path.join(HERE, "report_factorial.md"), ["\n".join(lines).encode()])
     if any(figure.values()):
         plot(figure, os.path.join(HERE, "factorial.png"))

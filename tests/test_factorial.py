@@ -19,9 +19,9 @@ SEED_SHIFT = {"A": (0.0, 0.01, 0.02), "B": (0.0, 0.02, 0.01), "C": (0.0, 0.01, 0
               "F": (0.0, 0.03, 0.02), "G": (0.0, 0.01, 0.02)}  # ... plus these at seeds 0, 1, 2
 
 
-def row(arm, seed, loss, lr, d=128, cpu="Xeon"):
+def row(arm, seed, loss, lr, d=128, cpu=factorial.PREREGISTERED_CPU):
     return {"point": f"{arm}-{seed}-{lr}", "arm": arm, "seed": seed, "config": {"model": {"d_model": d}, "lr": lr},
-            "eval": {"loss": {"summary": {"loss": loss}}}, "machine": {"cpu": cpu}}
+            "eval": {"loss": {"summary": {"loss": loss}, "rows": []}}, "machine": {"cpu": cpu}}
 
 
 @pytest.fixture
@@ -71,13 +71,45 @@ def test_an_arm_enters_once_its_seeds_ran_at_its_best_lr(study):
 
 
 def test_rows_from_another_cpu_are_named_and_the_same_point_on_two_cpus_is_compared(study):
-    # A confirmation row that ran on another CPU is named under its table; a point rerun there is set beside
-    # its original, the difference by hand.
-    write_json(str(study / "confirm_wide.json"), {"rows": [row("recipe_d128", s, 1.70 + s / 1000, 5e-3)
-                                                           for s in (100, 101)]})
+    # A confirmation row that ran on another CPU is named under its table, and the contrasts are given again
+    # on the pre-registered CPU's seeds alone; a point rerun there is set beside its original, all by hand.
+    xeon = factorial.PREREGISTERED_CPU
+    write_json(str(study / "confirm_wide.json"), {"rows": [row("recipe_d128", s, 1.70 + (s - 100) / 1000, 5e-3)
+                                                           for s in (100, 101, 102)]})
     write_json(str(study / "confirm_factorial.json"), {"rows": [row("F_nogate", 100, 1.75, 5e-3),
-                                                                row("F_nogate", 101, 1.87, 5e-3, cpu="EPYC")]})
+                                                                row("F_nogate", 101, 1.87, 5e-3, cpu="EPYC"),
+                                                                row("F_nogate", 102, 1.76, 5e-3)]})
     write_json(str(study / "machine_F.json"), {"rows": [row("F_nogate", 100, 1.7530, 5e-3, cpu="EPYC")]})
     lines = factorial.report()
-    assert "Rows ran on 2 CPUs: EPYC: F 101; Xeon: A 100, A 101, F 100." in lines
-    assert "| F_nogate | 100 | Xeon | 1.7500 | EPYC | 1.7530 | +0.0030 |" in lines
+    assert f"Rows ran on 2 CPUs: EPYC: F 101; {xeon}: A 100, A 101, A 102, F 100, F 102." in lines
+    # F - A: 0.05, 0.169, 0.058 on every row (t(0.975, df 2) = 4.303); on the Xeon's seeds 100 and 102: 0.05 and
+    # 0.058 (df 1: 12.706)
+    def expected(values, t):
+        mean = sum(values) / len(values)
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+        half = t * std / math.sqrt(len(values))
+        return f"| F − A | the gate helps at γ=1 | {len(values)} | {mean:+.4f} ± {std:.4f} " \
+            f"[{mean - half:+.4f}, {mean + half:+.4f}] |"
+    confirm = lines[lines.index("## Confirmation, seeds 100-105"):]
+    assert [line for line in confirm if line.startswith("| F − A |")] == [expected([0.05, 0.169, 0.058], 4.303),
+                                                                         expected([0.05, 0.058], 12.706)]
+    assert f"| F_nogate | 100 | {xeon} | 1.7500 | EPYC | 1.7530 | +0.0030 |" in lines
+
+
+def test_depth_gain_is_paired_by_seed(study):
+    # The depth pair enters once both arms' seeds 1-2 ran at their seed-0 best; the gain is baseline - recipe by seed.
+    recipe, baseline = {0: 1.67, 1: 1.68, 2: 1.66}, {0: 1.75, 1: 1.78, 2: 1.74}
+    write_json(str(study / "depth_lr_recipe_L4.json"), {"rows": [row("recipe_L4", 0, 1.67, 5.5e-3, 96),
+                                                                 row("recipe_L4", 0, 1.69, 1e-2, 96)]})
+    write_json(str(study / "depth_lr_baseline_L4.json"), {"rows": [row("baseline_L4", 0, 1.75, 1e-2, 96)]})
+    assert not any(line.startswith("## Depth") for line in factorial.report())  # seeds 1-2 not yet run
+    write_json(str(study / "depth.json"), {"rows": [row("recipe_L4", s, recipe[s], 5.5e-3, 96) for s in (1, 2)] +
+                                           [row("baseline_L4", s, baseline[s], 1e-2, 96) for s in (1, 2)]})
+    lines = factorial.report()
+    assert "| recipe | 0.0055: 1.6700, 0.01: 1.6900 | 0.0055 | 0: 1.6700, 1: 1.6800, 2: 1.6600 | 1.6700 |" in lines
+    gains = [baseline[s] - recipe[s] for s in (0, 1, 2)]  # 0.08, 0.10, 0.08
+    mean = sum(gains) / 3
+    std = math.sqrt(sum((g - mean) ** 2 for g in gains) / 2)
+    half = 4.303 * std / math.sqrt(3)
+    assert any(line.startswith(f"Gain (baseline − recipe, paired by seed): {mean:+.4f} ± {std:.4f} "
+                               f"[{mean - half:+.4f}, {mean + half:+.4f}].") for line in lines)
