@@ -193,14 +193,23 @@ def test_a_compiled_block_matches_the_eager_one():
 
 @pytest.mark.slow
 def test_the_fused_form_under_compiled_flex_is_the_model():
-    # Compiled on CPU, inductor's flex_attention template read a value handed over as a strided slice
-    # of the fused GEMM's rows wrongly (logits off by 0.3 of 0.5): bench.FusedProjections copies v out.
+    # The model compiled as train.py compiles it (FlexAttention with packed documents) against the eager model on
+    # FlexAttention and on SDPA's dense mask. And bench's fused form under it: compiled on CPU, inductor's
+    # flex_attention template read a value handed over as a strided slice of the fused GEMM's rows wrongly (logits
+    # off by 0.3 of 0.5): bench.FusedProjections copies v out. One compile of each serves both checks.
     model, fused = model_and_fused(torch.float32, attn_backend="flex", doc_mask=True, eot_id=3)
-    for net in (model, fused):
-        compile_model_(net)
-    idx = torch.randint(97, (2, 32), generator=torch.Generator().manual_seed(6))
+    idx = torch.randint(4, 97, (2, 32), generator=torch.Generator().manual_seed(6))
+    idx[0, [7, 20, 21]] = 3  # document ends: two documents, an empty one, a third
+    idx[1, [0, 25]] = 3
     with torch.no_grad():  # FlexAttention has no CPU backward
+        eager = model(idx)[0]
+        model.set_attn_backend("sdpa")
+        sdpa = model(idx)[0]
+        model.set_attn_backend("flex")
+        for net in (model, fused):
+            compile_model_(net)
         want, got = model(idx)[0], fused(idx)[0]
+    assert torch.allclose(eager, sdpa, rtol=0, atol=2e-5) and torch.allclose(want, eager, rtol=0, atol=2e-5)
     assert torch.allclose(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 

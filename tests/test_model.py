@@ -227,20 +227,6 @@ def test_eager_probabilities_sum_to_one_and_respect_the_mask():
             pass
 
 
-@pytest.mark.slow
-def test_compiled_flex_matches_sdpa():
-    model = built(tiny(doc_mask=True, eot_id=EOT, attn_backend="flex"))
-    idx = packed_batch(T=64)
-    with torch.no_grad():
-        ref = model(idx)[0]
-        for block in model.layers:
-            block.compile()
-        flex = model(idx)[0]
-        model.set_attn_backend("sdpa")
-        sdpa = model(idx)[0]
-    assert torch.allclose(flex, ref, atol=2e-5) and torch.allclose(flex, sdpa, atol=2e-5)
-
-
 # --- MoE --------------------------------------------------------------------------------------
 
 def moe_brute_force(moe, x):
