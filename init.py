@@ -2,7 +2,9 @@
 The γ initialization rule, for any nn.Module.
 
 Every weight matrix W with fan-in d_in is drawn from N(0, σ²) with σ = d_in^-γ.
-γ = 0.5 is the usual LeCun/Xavier-style scale; γ = 1 (smaller) is the recommended default.
+γ = 0.5 is the usual LeCun/Xavier-style scale; γ = 1 (smaller) is the paper's recipe. In this file's
+repository (models up to 0.5M parameters) γ = 1 needed RMSNorm ε <= 1e-12 and gated attention, and with
+both it did no better than γ = 0.5-0.75 (results/README.md there).
 Norm weights are set to gain 1 (w=1 for x̂·w; w=0 for offset norms x̂·(1+w), Gemma-style) and
 biases to 0, and so are position-bias tables (T5's relative_attention_bias: a bias on the
 attention logits, not an embedding; see POSITION_BIAS_REASON). Anything this file cannot
