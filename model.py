@@ -13,8 +13,7 @@ The smallinit model: a pre-norm decoder (dense or MoE) built to test small initi
   varlen (flash-attention's varlen kernel on the packed documents; CUDA, bf16/fp16 only).
 - MoE: token-choice top-k, dropless, stacked (E, d_in, d_out) experts on torch._grouped_mm (or a
   reference loop), balanced by an aux-loss-free selection bias and/or an auxiliary loss.
-- The training loss is chunked (no full logits: loss.py); train.compile_model_ compiles the blocks,
-  the final norm and the per-chunk loss in place. Decoding is in generate.py, the γ-init in init.py.
+- The loss is chunked (loss.py), compiled by train.compile_model_; decoding: generate.py; γ-init: init.py.
 """
 
 import functools
@@ -27,7 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from loss import chunked_cross_entropy
@@ -331,7 +330,9 @@ def build_attention_mask(idx, cfg, backend, kv_cache=None):
     if backend in ("sdpa", "varlen") and batch is None and start == 0:
         # Plain causal: SDPA's is_causal path can use the flash kernel; a dense mask cannot.
         return None
-    return create_mask(mask_mod, batch or 1, 1, T, start + T, device=idx.device)
+    # Dense: mask_mod on broadcast indices (create_mask's vmap would import torch._dynamo, ~1 s per eval process)
+    b, h, q, kv = (torch.arange(n, device=idx.device) for n in (batch or 1, 1, T, start + T))
+    return mask_mod(b.view(-1, 1, 1, 1), h.view(1, -1, 1, 1), q.view(1, 1, -1, 1), kv.view(1, 1, 1, -1))
 
 
 class Attention(nn.Module):
@@ -592,8 +593,7 @@ class GPT(nn.Module):
         return logits, loss
 
     def to_empty(self, *, device, recurse=True):
-        # Materialising meta tensors makes a new tensor per module, which silently unties a tied
-        # lm_head from the embedding (two parameters, twice the count): tie them again.
+        # A new tensor per module would silently untie a tied lm_head from the embedding: tie them again
         super().to_empty(device=device, recurse=recurse)
         if self.cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight

@@ -11,8 +11,8 @@ from init import gamma_init_
 from analysis import capture_attention, token_logprobs, trace_residual
 from generate import decode, generate
 from init import init_model_
-from model import (GPT, SIZES, Attention, GPTConfig, LayerNorm, MoE, RMSNorm, apply_rope, config_for, document_ids,
-                   rope_cos_sin)
+from model import (GPT, SIZES, Attention, GPTConfig, LayerNorm, MoE, RMSNorm, apply_rope, attention_mask_mod,
+                   build_attention_mask, config_for, document_ids, rope_cos_sin)
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -225,6 +225,22 @@ def test_eager_probabilities_sum_to_one_and_respect_the_mask():
     with pytest.raises(ValueError, match="eager"):
         with capture_attention(model):
             pass
+
+
+@pytest.mark.parametrize("doc_mask", [False, True])
+@pytest.mark.parametrize("cached", [0, 9])
+def test_the_dense_mask_is_torchs_rendering_of_the_mask_mod(doc_mask, cached):
+    # build_attention_mask calls the mask_mod once on broadcast indices; torch's create_mask (the mask_mod
+    # vmapped over every (b, h, q, kv)) is the reference, for a batch alone and for queries after 9 cached ones.
+    from types import SimpleNamespace
+    from torch.nn.attention.flex_attention import create_mask
+    full = packed_batch(T=40)
+    idx, doc = full[:, cached:], document_ids(full, EOT)
+    cache = SimpleNamespace(length=cached, doc=doc) if cached else None
+    mask = build_attention_mask(idx, tiny(doc_mask=doc_mask, eot_id=EOT), "eager", cache)
+    rule = attention_mask_mod(cached, doc[:, cached:], doc) if doc_mask else attention_mask_mod(cached)
+    want = create_mask(rule, 3 if doc_mask else 1, 1, 40 - cached, 40)
+    assert mask.dtype == want.dtype == torch.bool and mask.shape == want.shape and torch.equal(mask, want)
 
 
 # --- MoE --------------------------------------------------------------------------------------
