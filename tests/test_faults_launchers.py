@@ -67,29 +67,33 @@ def loading(pid, library):
         return False
 
 
-LAUNCHES = {  # script: (arguments that would run it, the line of a Ctrl-C while it starts)
+# script: (arguments that would run it, the line of a Ctrl-C while it starts, a shared library its imports load:
+# prepare_data.py needs no torch, its imports are numpy's, tiktoken's and the repo's)
+LAUNCHES = {
     "quickstart.py": (lambda tmp: ["--smoke", "--out", str(tmp / "qs")],
-                      "quickstart: interrupted while starting, before anything ran; rerun the same command"),
+                      "quickstart: interrupted while starting, before anything ran; rerun the same command",
+                      "libtorch"),
     "sweep.py": (lambda tmp: ["config/cpu_lm.py", "--name", "s", "--out-root", str(tmp / "out"),
                               "--results-dir", str(tmp / "results")],
-                 "sweep: interrupted while starting, before any point ran; the same command runs the sweep"),
-    **{script: (args, f"{script}: interrupted while starting, before anything was written; rerun the same command")
-       for script, args in (
-           ("train.py", lambda tmp: ["config/tiny_bytes.py", f"--data_dir={tmp / 'data'}", f"--out_dir={tmp / 'run'}"]),
-           ("eval.py", lambda tmp: ["loss", str(tmp / "run"), "--data", str(tmp / "data")]),
+                 "sweep: interrupted while starting, before any point ran; the same command runs the sweep",
+                 "libtorch"),
+    **{script: (args, f"{script}: interrupted while starting, before anything was written; rerun the same command",
+                library)
+       for script, args, library in (
+           ("train.py", lambda tmp: ["config/tiny_bytes.py", f"--data_dir={tmp / 'data'}", f"--out_dir={tmp / 'run'}"],
+            "libtorch"),
+           ("eval.py", lambda tmp: ["loss", str(tmp / "run"), "--data", str(tmp / "data")], "libtorch"),
            ("prepare_data.py", lambda tmp: ["text", "--out", str(tmp / "data"), "--source", f"en={tmp / 'corpus'}",
-                                            "--tokenizer", "bytes"]))},
+                                            "--tokenizer", "bytes"], "_multiarray_umath"))},
 }
 
 
 @linux_only
 @pytest.mark.parametrize("script", LAUNCHES)
 def test_ctrl_c_while_importing_is_one_line(script, tmp_path):
-    args, line = LAUNCHES[script]
+    args, line, library = LAUNCHES[script]
     proc = launch(script, *args(tmp_path))
     try:
-        # prepare_data.py needs no torch: its imports are numpy's, tiktoken's and the repo's
-        library = "_multiarray_umath" if script == "prepare_data.py" else "libtorch"
         while not loading(proc.pid, library) and proc.poll() is None:
             pass  # no sleep: the signal must land while the imports go on
         send(proc, signal.SIGINT)
