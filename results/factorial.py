@@ -100,6 +100,12 @@ def contrast(terms, rows):
     return {s: sum(sign * by_arm[arm][s] for sign, arm in terms) for s in sorted(seeds)}
 
 
+def seeds_and_mean(found):
+    """'seed: loss, ... | mean' of an arm's rows, by seed."""
+    per_seed = ", ".join(f"{r['seed']}: {loss(r):.4f}" for r in sorted(found, key=lambda r: r["seed"]))
+    return f"{per_seed} | {sum(map(loss, found)) / len(found):.4f}"
+
+
 def contrast_table(rows):
     lines = ["| contrast | positive means | seeds | mean ± std [95%] |", "|---|---|---|---|"]
     for name, meaning, terms in CONTRASTS:
@@ -122,9 +128,7 @@ def report():
         lines += [f"## {title}", "", "| arm | settings | lr | loss per seed | mean |", "|---|---|---|---|---|"]
         for arm, found in rows.items():
             if found:
-                per_seed = ", ".join(f"{r['seed']}: {loss(r):.4f}" for r in sorted(found, key=lambda r: r["seed"]))
-                mean = sum(map(loss, found)) / len(found)
-                lines.append(f"| {arm} | {ARMS[arm][0]} | {found[0]['config']['lr']:g} | {per_seed} | {mean:.4f} |")
+                lines.append(f"| {arm} | {ARMS[arm][0]} | {found[0]['config']['lr']:g} | {seeds_and_mean(found)} |")
         lines += [""] + contrast_table(rows) + [""]
         cpus = sorted({r["machine"]["cpu"] for found in rows.values() for r in found})
         if len(cpus) > 1:  # numbers are bitwise only within one machine (results/README.md)
@@ -152,16 +156,16 @@ def report():
     if recipe and baseline:
         lines += ["## Depth at equal size: 4 layers x width 96, seeds 0-2", "",
                   "| arm | seed 0 by lr | lr | loss per seed | mean |", "|---|---|---|---|---|"]
+        cpus = set()
         for arm, found in (("recipe", recipe), ("baseline", baseline)):
             grid = sorted((r for r in load(DEPTH[arm][0]) if r["arm"] == DEPTH[arm][1]),
                           key=lambda r: r["config"]["lr"])
+            cpus |= {r["machine"]["cpu"] for r in grid + found}
             lines.append(f"| {arm} | " + ", ".join(f"{r['config']['lr']:g}: {loss(r):.4f}" for r in grid) +
-                         f" | {found[0]['config']['lr']:g} | " + ", ".join(f"{r['seed']}: {loss(r):.4f}" for r in found)
-                         + f" | {sum(map(loss, found)) / len(found):.4f} |")
-        cpus = sorted({r["machine"]["cpu"] for arm in DEPTH for r in load(DEPTH[arm][0]) + load("depth.json")})
+                         f" | {found[0]['config']['lr']:g} | {seeds_and_mean(found)} |")
         gains = contrast([(1, "baseline"), (-1, "recipe")], {"recipe": recipe, "baseline": baseline})
         lines += ["", f"Gain (baseline − recipe, paired by seed): {format_delta(list(gains.values()))}. "
-                  f"CPUs: {', '.join(cpus)}.", ""]
+                  f"CPUs: {', '.join(sorted(cpus))}.", ""]
     atomic_write_bytes(os.path.join(HERE, "report_factorial.md"), ["\n".join(lines).encode()])
     if any(figure.values()):
         plot(figure, os.path.join(HERE, "factorial.png"))

@@ -40,11 +40,19 @@ def study(tmp_path, monkeypatch):
     return tmp_path
 
 
+T_975 = {1: 12.706, 2: 4.303}  # t(0.975) by degrees of freedom, from tables
+
+
+def interval(values):
+    """(mean, std, half-width of the 95% t-interval) of per-seed values, by hand."""
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+    return mean, std, T_975[len(values) - 1] * std / math.sqrt(len(values))
+
+
 def by_hand(terms):
     values = [sum(sign * (BASE[arm] + SEED_SHIFT[arm][s]) for sign, arm in terms) for s in (0, 1, 2)]
-    mean = sum(values) / 3
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / 2)
-    return values, mean, std, 4.303 * std / math.sqrt(3)  # t(0.975, df 2) from tables
+    return (values, *interval(values))
 
 
 def test_every_contrast_is_the_hand_computed_one(study):
@@ -82,17 +90,14 @@ def test_rows_from_another_cpu_are_named_and_the_same_point_on_two_cpus_is_compa
     write_json(str(study / "machine_F.json"), {"rows": [row("F_nogate", 100, 1.7530, 5e-3, cpu="EPYC")]})
     lines = factorial.report()
     assert f"Rows ran on 2 CPUs: EPYC: F 101; {xeon}: A 100, A 101, A 102, F 100, F 102." in lines
-    # F - A: 0.05, 0.169, 0.058 on every row (t(0.975, df 2) = 4.303); on the Xeon's seeds 100 and 102: 0.05 and
-    # 0.058 (df 1: 12.706)
-    def expected(values, t):
-        mean = sum(values) / len(values)
-        std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
-        half = t * std / math.sqrt(len(values))
+    # F - A: 0.05, 0.169, 0.058 on every row; on the Xeon's seeds 100 and 102: 0.05 and 0.058
+    def expected(values):
+        mean, std, half = interval(values)
         return f"| F − A | the gate helps at γ=1 | {len(values)} | {mean:+.4f} ± {std:.4f} " \
             f"[{mean - half:+.4f}, {mean + half:+.4f}] |"
     confirm = lines[lines.index("## Confirmation, seeds 100-105"):]
-    assert [line for line in confirm if line.startswith("| F − A |")] == [expected([0.05, 0.169, 0.058], 4.303),
-                                                                         expected([0.05, 0.058], 12.706)]
+    assert [line for line in confirm if line.startswith("| F − A |")] == [expected([0.05, 0.169, 0.058]),
+                                                                         expected([0.05, 0.058])]
     assert f"| F_nogate | 100 | {xeon} | 1.7500 | EPYC | 1.7530 | +0.0030 |" in lines
 
 
@@ -107,9 +112,6 @@ def test_depth_gain_is_paired_by_seed(study):
                                            [row("baseline_L4", s, baseline[s], 1e-2, 96) for s in (1, 2)]})
     lines = factorial.report()
     assert "| recipe | 0.0055: 1.6700, 0.01: 1.6900 | 0.0055 | 0: 1.6700, 1: 1.6800, 2: 1.6600 | 1.6700 |" in lines
-    gains = [baseline[s] - recipe[s] for s in (0, 1, 2)]  # 0.08, 0.10, 0.08
-    mean = sum(gains) / 3
-    std = math.sqrt(sum((g - mean) ** 2 for g in gains) / 2)
-    half = 4.303 * std / math.sqrt(3)
+    mean, std, half = interval([baseline[s] - recipe[s] for s in (0, 1, 2)])  # 0.08, 0.10, 0.08
     assert any(line.startswith(f"Gain (baseline − recipe, paired by seed): {mean:+.4f} ± {std:.4f} "
                                f"[{mean - half:+.4f}, {mean + half:+.4f}].") for line in lines)
