@@ -28,9 +28,9 @@ SHARED = os.path.join(ROOT, "..", "shared")  # the offline data kit is SHARED/da
 KIT = os.path.join(SHARED, "data")
 
 # The flags `fewer` may set: how long a command runs, never what it runs.
-SIZES = ("--max_steps", "--warmup_steps", "--eval_interval", "--ckpt_interval", "--bench_interval", "--bench_limit",
-         "--limit", "--seeds",
-         "--eval-tokens", "--set max_steps", "--set warmup_steps", "--set eval_interval", "--set ckpt_interval")
+SIZES = ("--max_steps", "--warmup_steps", "--eval_interval", "--eval_batches", "--ckpt_interval", "--bench_interval",
+         "--bench_limit", "--limit", "--seeds", "--eval-tokens", "--set max_steps", "--set warmup_steps",
+         "--set eval_interval", "--set eval_batches", "--set ckpt_interval")
 
 
 def fewer(command, *sizes):
@@ -52,11 +52,13 @@ def sizes_only(command):
     return " ".join(re.sub(r"ckpt_\d{8}", "ckpt_*", command).split())
 
 
-TINY_STEPS = ("--max_steps=6", "--warmup_steps=2", "--eval_interval=3", "--ckpt_interval=3")
-TINY_CKPT = "out/tiny_bytes/ckpt_00000006"  # what the shortened tiny_bytes run wrote last
+# A training run is reduced to 2 steps, each evaluated (on one batch) and saved: the evaluation, checkpoint
+# and benchmark rows the later commands read, at a quarter of 6 steps' cost.
+TINY_STEPS = ("--max_steps=2", "--warmup_steps=1", "--eval_interval=1", "--eval_batches=1", "--ckpt_interval=1")
+TINY_CKPT = "out/tiny_bytes/ckpt_00000002"  # what the shortened tiny_bytes run wrote last
 ANCHOR_STEPS = ("--max_steps=30", "--warmup_steps=5", "--eval_interval=15", "--ckpt_interval=15")
-SWEEP_STEPS = ("--seeds 0", "--eval-tokens 8192", "--set max_steps=4", "--set warmup_steps=1", "--set eval_interval=2",
-               "--set ckpt_interval=2")
+SWEEP_STEPS = ("--seeds 0", "--eval-tokens 8192", "--set max_steps=2", "--set warmup_steps=1", "--set eval_interval=2",
+               "--set eval_batches=1", "--set ckpt_interval=2")
 TINY = "python train.py config/tiny_bytes.py"
 G1 = f"{TINY} --data_dir=data/bi_bytes --out_dir=out/g1 --max_steps=300 --eval_interval=100 --ckpt_interval=100 " \
     "--keep_last=5"
@@ -129,16 +131,16 @@ COMMANDS = {
     GSM8K_BENCH: ("kit", fewer(GSM8K_BENCH, "--limit 5"), "20 items take ~25 s: each generates up to 128 tokens"),
     MATH_BENCH: ("kit", fewer(MATH_BENCH, "--limit 5"), "20 items take ~25 s: each generates up to 128 tokens"),
     "python eval.py bench out/anchor_gamma1 --task anchor --data data/anchor": ("run", None, ""),
-    G1_BENCH: ("kit", fewer(G1_BENCH, *TINY_STEPS, "--bench_interval=3", "--bench_limit=25"),
+    G1_BENCH: ("kit", fewer(G1_BENCH, *TINY_STEPS, "--bench_interval=1", "--bench_limit=25"),
                "300 steps take ~5 minutes, each 100-item benchmark ~4 s"),
     "python eval.py scaling --baseline 1e6=2.10 3e6=1.90 1e7=1.75 3e7=1.66 --compare 3e6=1.80": ("side", None, ""),
     "python eval.py report out/*.json --out out/report.md": ("after", None, ""),
     "python eval.py report results/*.json --out out/study.md": ("side", None, ""),
     'python eval.py sample out/g1 --prompt "ROMEO:" --temperature 0.8': ("run", None, ""),
     "python train.py export out/tiny_bytes/ckpt_00000500 out/tiny_bytes.pt":
-        ("run", f"python train.py export {TINY_CKPT} out/tiny_bytes.pt", "the 6-step run's last checkpoint"),
+        ("run", f"python train.py export {TINY_CKPT} out/tiny_bytes.pt", "the 2-step run's last checkpoint"),
     "python train.py export out/tiny_bytes/ckpt_00000500 out/hf/tiny_bytes --format hf":
-        ("run", f"python train.py export {TINY_CKPT} out/hf/tiny_bytes --format hf", "the 6-step run's last checkpoint"),
+        ("run", f"python train.py export {TINY_CKPT} out/hf/tiny_bytes --format hf", "the 2-step run's last checkpoint"),
     f"lm_eval {HF_ARGS} --tasks hellaswag,gsm8k_cot,minerva_math500 --device cuda --batch_size 16":
         (None, None, "its tasks read the hub and it wants a GPU; the offline route below runs lm-eval here"),
     f"python eval.py lm-eval-task --task hellaswag --source {EVAL_KIT}/hellaswag/hellaswag_val_full.txt.bz2 "
@@ -322,11 +324,11 @@ def test_readme_commands_needing_the_offline_kit(workspace):
     shutil.copy(ws / "my_corpus" / "en" / "part0.txt", ws / "hub_standin" / "part0.txt")
     outputs = kit_lines("kit", ws)
     assert len(outputs) == 6
-    # the benchmark during training: steps 0, 3 and 6, each a row beside the validation loss
+    # the benchmark during training: steps 0, 1 and 2, each a row beside the validation loss
     assert outputs[G1_BENCH].count("bench hellaswag: acc ") == 3
     with open(ws / "out" / "g1_bench" / "metrics.jsonl") as f:
         rows = [row for row in map(json.loads, f) if "bench_hellaswag_acc" in row]
-    assert [row["step"] for row in rows] == [0, 3, 6] and all(0 <= row["bench_hellaswag_acc"] <= 1 for row in rows)
+    assert [row["step"] for row in rows] == [0, 1, 2] and all(0 <= row["bench_hellaswag_acc"] <= 1 for row in rows)
     hellaswag = outputs[HELLASWAG_BENCH]
     assert "acc_norm" in hellaswag and "truncated" in hellaswag
     for task, metric in (("gsm8k", "flexible_match"), ("math500", "exact_match")):
