@@ -12,8 +12,9 @@ results/<name>.json that `eval.py report` turns into tables (mean ± std and a 9
 Every point is a run folder out/sweeps/<name>/<point>. A point is finished when its folder
 holds sweep_point.json (written last, atomically, after the evaluations): a second call skips
 it. A killed point is simply run again: train.py resumes from its newest complete checkpoint
-and the evaluations are redone. Points run as subprocesses with one thread each (--jobs N side
-by side), so a sweep never changes the code path a single `python train.py` takes.
+and the evaluations are redone. Each point is one subprocess with one thread (--jobs N side by
+side) that runs train.py's main and then eval.py's, the code `python train.py ... && python eval.py
+...` runs, with torch imported once.
 
 A sweep holds a lock on each point it works on (run folder's sweep.lock): a second sweep of the
 same name skips the points the first one is running (reported as skipped, busy) instead of
@@ -21,18 +22,20 @@ failing on them. SIGTERM, SIGINT or SIGHUP stops the running points' processes b
 on Linux they are also stopped when the sweep is SIGKILLed.
 """
 
+import sys
+
 import interrupt
 
-if __name__ == "__main__":  # first: the imports below take seconds
+if __name__ == "__main__" and sys.argv[1:2] != ["--point"]:  # first: the imports below take seconds
     interrupt.while_starting("sweep: interrupted while starting, before any point ran; the same command runs the sweep")
 
 import argparse
 import glob
 import itertools
+import json
 import os
 import platform
 import subprocess
-import sys
 import time
 from concurrent.futures import as_completed
 
@@ -246,27 +249,41 @@ def run_point(args, point, run_dir):
         if finished(run_dir):  # a sibling sweep finished it after this one listed its points
             return None
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "EVAL_THREADS": "1"}
-        train = [sys.executable, os.path.join(HERE, "train.py"), *train_args(args, point, run_dir)]
-        evals = [[sys.executable, os.path.join(HERE, c[0]), *c[1:]] for c in eval_commands(args, run_dir).values()]
+        train, evals = train_args(args, point, run_dir), list(eval_commands(args, run_dir).values())
         start = time.time()
         log_fd = open_in_run_dir(os.path.join(run_dir, "sweep.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         with os.fdopen(log_fd, "a") as log:
-            for cmd in [train, *evals]:
-                log.write(f"$ {' '.join(cmd)}\n")
-                log.flush()
-                returncode = end_child(start_child(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
-                if returncode != 0:
-                    raise RuntimeError(f"point {point['name']}: {os.path.basename(cmd[1])} exited {returncode}; "
-                                       f"see {os.path.join(run_dir, 'sweep.log')}")
+            log.write("$ " + " && ".join("python " + " ".join(c) for c in [["train.py", *train], *evals]) + "\n")
+            log.flush()
+            argvs = [train, [c[1:] for c in evals]]  # train.py's argv, and each evaluation's eval.py argv
+            point_process = [sys.executable, os.path.join(HERE, "sweep.py"), "--point", json.dumps(argvs)]
+            returncode = end_child(start_child(point_process, stdout=log, stderr=subprocess.STDOUT, env=env))
+            if returncode != 0:
+                raise RuntimeError(f"point {point['name']}: its process exited {returncode}; "
+                                   f"see {os.path.join(run_dir, 'sweep.log')}")
         # Recorded as a user would type it from the repo root (no path of this machine).
         try:
-            row = point_result(args, point, run_dir, time.time() - start, ["python", "train.py", *train[2:]])
+            row = point_result(args, point, run_dir, time.time() - start, ["python", "train.py", *train])
         except (ValueError, RunDirError) as e:  # a damaged metrics.jsonl or checkpoint: this point fails
             raise RuntimeError(f"point {point['name']}: {e}") from None
         write_json(os.path.join(run_dir, "sweep_point.json"), row)
         return row
     finally:
         os.close(lock)
+
+
+def point_main(train_argv, evals):
+    """A point's own process (`sweep.py --point`, started by run_point): train.py's main, then eval.py's main for
+    each evaluation, each with the lines and exit status its own process would give; torch is imported once,
+    not once per tool (~2 s of CPU each)."""
+    import eval as ev
+    import train
+    try:
+        train.main(train_argv)
+    except train.ERRORS as e:
+        raise interrupt.Stop(train.error_line(e)) from None
+    for argv in evals:
+        ev.main(argv)
 
 
 # The fields of a point's row that this sweep and `eval.py report` read, and their types.
@@ -423,6 +440,9 @@ def run_all(args, pending, todo):
     return failures, busy
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[1:2] == ["--point"]:
+    interrupt.run(lambda: point_main(*json.loads(sys.argv[2])), "interrupted: a sweep point stopped; the sweep "
+                  "redoes it (train.py resumes from its checkpoints)")
+elif __name__ == "__main__":
     STOPPED = "sweep: stopped by {signal}, and its running points with it; the same command resumes the sweep"
     interrupt.run(lambda: stoppable(main, STOPPED), STOPPED.format(signal="SIGINT"))

@@ -21,10 +21,11 @@ import pytest
 
 import checkpoint
 import eval as ev
+import interrupt
 import report
 import sweep
 from conftest import launch_env
-from test_train import data_dir, rows  # noqa: F401  (data_dir: the shared byte-level dataset fixture)
+from test_train import data_dir, rows, train_error  # noqa: F401  (data_dir: the shared byte-level dataset fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--set", "model_size=tiny", "--set", "model={'max_seq_len': 32}", "--set", "seq_len=32",
@@ -144,6 +145,11 @@ def test_sweep_rows_match_run_folders_and_second_call_runs_nothing(data_dir, tmp
         assert len(vals) == 3 and row["best_val_loss"] == min(vals) and row["final_val_loss"] == vals[-1]
         assert row["tokens"] == 2 * 4 * 32  # 2 steps x 4 sequences x 32 tokens
         assert row["eval"]["loss"]["summary"] == json.loads((run / "eval_loss.json").read_text())["summary"]
+        # evaluated in the point's process after its training, as a fresh eval.py evaluates the run folder
+        alone = ev.main(["loss", str(run), "--tokens", "256"])["summary"]
+        assert (alone["loss"], alone["step"]) == (row["eval"]["loss"]["summary"]["loss"], 2)
+        assert (run / "sweep.log").read_text().startswith(f"$ python train.py {' '.join(row['command'][2:])} && "
+                                                          f"python eval.py loss {os.path.relpath(run, tmp_path)} ")
         assert row["eval"]["sink"]["summary"]["attn_gate"] == "elementwise"
         assert row["command"][:2] == ["python", "train.py"] and f"--lr={lr!r}" in row["command"]
         assert row["git_commit"] and row["machine"]["threads_per_point"] == 1
@@ -159,6 +165,15 @@ def test_sweep_rows_match_run_folders_and_second_call_runs_nothing(data_dir, tmp
     assert changed.returncode == 1 and "error: point base-lr=0.001-seed0 in" in changed.stderr
     assert "was run as `python train.py" in changed.stderr and changed.stderr.count("\n") == 1
     assert json.loads((tmp_path / "results" / "lr.json").read_text()) == result
+
+
+def test_a_point_process_ends_on_its_trainings_own_line(tmp_path):
+    # sweep.py --point: a training refused ends the point with train.py's own line (exit 1), its evaluations unrun
+    run = str(tmp_path / "p")
+    argv = [os.path.join(ROOT, "config", "cpu_lm.py"), "--max_steps=0", f"--out_dir={run}"]
+    with pytest.raises(interrupt.Stop) as e:
+        sweep.point_main(argv, [["loss", run, "--json-out", str(tmp_path / "e.json")]])
+    assert (str(e.value), e.value.status) == (train_error(argv), 1) and os.listdir(tmp_path) == []
 
 
 @pytest.mark.slow
@@ -207,16 +222,17 @@ def point_children(pid):
     return found
 
 
-def started_train(sweep_pid, timeout=300):
-    """The pid of the train.py a sweep started, once it runs."""
+def started_train(launcher_pid, timeout=300):
+    """The pid of the training a launcher started, once it runs: quickstart.py's train.py, or a sweep's point
+    process (sweep.py --point: its training, then its evaluations)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        pids = [pid for pid, command in point_children(sweep_pid)
-                if any(part.endswith(b"train.py") for part in command)]
+        pids = [pid for pid, command in point_children(launcher_pid)
+                if any(part.endswith(b"train.py") or part == b"--point" for part in command)]
         if pids:
             return pids[0]
         time.sleep(0.1)
-    pytest.fail(f"sweep {sweep_pid} started no train.py in {timeout}s")
+    pytest.fail(f"{launcher_pid} started no training in {timeout}s")
 
 
 def alive(pid):
