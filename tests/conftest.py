@@ -3,6 +3,7 @@ import re
 import signal
 import sys
 
+import pytest
 import torch
 
 # Tests import the flat top-level modules (model.py, init.py, ...) directly.
@@ -29,6 +30,14 @@ LONGEST_FIRST = ("test_readme.py", "test_train.py", "test_run_folder.py", "test_
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: the rest in order
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """The training tests' byte-level dataset (test_train.byte_dataset), built once per test process
+    (each xdist worker) rather than once per module: the runs only read it."""
+    from test_train import byte_dataset
+    return byte_dataset(tmp_path_factory.mktemp("data"))
 
 
 # Shared model builders and the greedy reference. Test files import them (`from conftest import

@@ -15,14 +15,14 @@ import configurator
 import downstream
 import eval as ev
 import sweep
-from test_train import ROOT, TINY, command, data_dir, run_here  # noqa: F401  (data_dir: the shared fixture)
+from test_train import ROOT, TINY, command, run_here
 from conftest import failure_text, launch_env
 
 RUN = [*TINY, "--max_steps=3", "--ckpt_interval=3"]
 
 
 @pytest.fixture(scope="module")
-def run3(data_dir, tmp_path_factory):  # noqa: F811
+def run3(data_dir, tmp_path_factory):
     """A finished 3-step run of the repo's code, its one checkpoint at step 3: tests copy it."""
     out = str(tmp_path_factory.mktemp("ref") / "run")
     run_here([*RUN, f"--data_dir={data_dir}", f"--out_dir={out}"])
@@ -60,7 +60,7 @@ def recorded(run):
 
 # ----------------------------------------------------------------------------- code version
 @pytest.mark.slow
-def test_a_copy_without_git_records_the_source_hash_that_wrote_each_checkpoint(data_dir, tmp_path):  # noqa: F811
+def test_a_copy_without_git_records_the_source_hash_that_wrote_each_checkpoint(data_dir, tmp_path):
     code = copy_sources(tmp_path / "code")
     run = os.path.join(code, "out", "run")  # the default place: a run folder inside the code's folder
     p = subprocess.run(command([*RUN, f"--data_dir={data_dir}", f"--out_dir={run}"], 1), cwd=code,
@@ -125,7 +125,7 @@ def test_dirty_means_a_source_file_differs_from_the_commit(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_checkpoint_written_without_a_code_version_still_resumes_and_exports(run3, data_dir, tmp_path):  # noqa: F811
+def test_a_checkpoint_written_without_a_code_version_still_resumes_and_exports(run3, data_dir, tmp_path):
     run = str(tmp_path / "run")
     shutil.copytree(run3, run)
     ckpt = os.path.join(run, "ckpt_00000003")

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 import checkpoint
 from test_run_folder import ARGS, copy_run, one_line, run6  # noqa: F401  (run6: the shared reference run)
-from test_train import data_dir, rows, run_here, train_error  # noqa: F401  (data_dir: the shared fixture)
+from test_train import rows, run_here, train_error
 
 NEWEST, PREVIOUS = "ckpt_00000006", "ckpt_00000005"
 TRUEDIV = pathlib.PosixPath.__truediv__
@@ -133,7 +133,7 @@ def test_a_checkpoint_without_its_sidecar_is_named_and_an_edited_data_position_r
     assert rows(run, "loss") == rows(run6, "loss")  # step 6 redone from 5, on the batches it read the first time
 
 
-def test_the_data_position_check_follows_the_loader(data_dir):  # noqa: F811
+def test_the_data_position_check_follows_the_loader(data_dir):
     # data.TokenLoader's own positions, step by step over several epochs (an epoch ends where the next
     # batch would not fit), against the check; one window off is caught at every step.
     import data as D
@@ -303,7 +303,7 @@ def plant_link(link, target, data=b"the user's own file\n"):
 
 
 @pytest.mark.slow
-def test_a_symlinked_train_lock_is_refused_and_its_target_kept(data_dir, tmp_path):  # noqa: F811
+def test_a_symlinked_train_lock_is_refused_and_its_target_kept(data_dir, tmp_path):
     out, target = tmp_path / "run", tmp_path / "precious.txt"
     plant_link(out / "train.lock", target)
     assert train_error([*ARGS, f"--data_dir={data_dir}", f"--out_dir={out}"]).startswith(
@@ -313,7 +313,7 @@ def test_a_symlinked_train_lock_is_refused_and_its_target_kept(data_dir, tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("data", [b"the user's own file\n", None], ids=["to-a-file", "to-no-file"])
-def test_a_symlinked_metrics_jsonl_is_refused_and_its_target_kept(data_dir, tmp_path, data):  # noqa: F811
+def test_a_symlinked_metrics_jsonl_is_refused_and_its_target_kept(data_dir, tmp_path, data):
     out, target = tmp_path / "run", tmp_path / "precious.txt"
     plant_link(out / "metrics.jsonl", target, data)
     assert train_error([*ARGS, f"--data_dir={data_dir}", f"--out_dir={out}"]).startswith(

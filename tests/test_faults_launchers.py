@@ -18,7 +18,6 @@ import sweep
 from conftest import launch_env
 from test_faults_links import within
 from test_sweep import alive, started_train
-from test_train import data_dir  # noqa: F401  (the shared byte-level dataset fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEEP = b"[" * 100_000  # a JSON text nested past the decoder's recursion limit

@@ -17,7 +17,7 @@ import checkpoint
 import prepare_data as P
 from test_faults_data import snapshot
 from test_run_folder import one_line
-from test_train import TINY, data_dir, run_train  # noqa: F401  (data_dir: the shared fixture)
+from test_train import TINY, run_train
 
 OUTSIDE = b"a file of the user's, anywhere\n"
 TAIL = "(a run folder's files are its own); replace it with a regular file or remove it, then rerun"
@@ -52,7 +52,7 @@ def plant_fifo(folder, name):
 
 
 # ----------------------------------------------------------------------------- hard links in a run folder
-def test_a_hard_linked_train_lock_is_refused_and_the_other_file_kept(data_dir, tmp_path):  # noqa: F811
+def test_a_hard_linked_train_lock_is_refused_and_the_other_file_kept(data_dir, tmp_path):
     out, outside = tmp_path / "run", tmp_path / "precious.txt"
     plant_hard_link(out, "train.lock", outside)
     p = run_train([*TINY, "--max_steps=4", f"--data_dir={data_dir}", f"--out_dir={out}"], ok=False)
@@ -97,7 +97,7 @@ def test_a_fifo_in_a_run_folder_is_refused_without_blocking(tmp_path, flags):
     assert str(e.value) == f"{fifo} is a FIFO: not opened {TAIL}"
 
 
-def test_resume_into_a_run_folder_with_a_fifo_metrics_jsonl_is_one_line(data_dir, tmp_path):  # noqa: F811
+def test_resume_into_a_run_folder_with_a_fifo_metrics_jsonl_is_one_line(data_dir, tmp_path):
     out = tmp_path / "run"
     fifo = plant_fifo(out, "metrics.jsonl")
     p = run_train([*TINY, "--max_steps=4", f"--data_dir={data_dir}", f"--out_dir={out}"], ok=False)  # hung before

@@ -22,7 +22,7 @@ import fileio
 from conftest import launch_env
 from test_faults_checkpoint import NEWEST, PREVIOUS, write_meta
 from test_run_folder import ARGS, copy_run, limit_file_size, one_line, run6  # noqa: F401  (run6: the reference run)
-from test_train import ROOT, TINY, data_dir, rows, run_here, train_error  # noqa: F401  (data_dir: the fixture)
+from test_train import ROOT, TINY, rows, run_here, train_error
 
 
 def run_cli(*args, **kwargs):
@@ -167,7 +167,7 @@ def test_file_size_limit_during_an_hf_export_is_one_line_and_leaves_nothing(run6
 # ----------------------------------------------------------------------------- a file where a folder belongs
 @pytest.mark.parametrize("where", ["train.lock is a folder", "config.json is a folder", "out_dir is a file",
                                    "out_dir is under a file"])
-def test_a_file_or_folder_in_the_wrong_place_is_one_line_and_kept(data_dir, tmp_path, where):  # noqa: F811
+def test_a_file_or_folder_in_the_wrong_place_is_one_line_and_kept(data_dir, tmp_path, where):
     run = str(tmp_path / "run")
     name = where.split()[0]
     if where.endswith("a folder"):
@@ -222,7 +222,7 @@ runpy.run_path("train.py", run_name="__main__")
 
 
 @pytest.mark.slow
-def test_ctrl_c_while_a_finished_run_exits_changes_nothing(data_dir, tmp_path):  # noqa: F811
+def test_ctrl_c_while_a_finished_run_exits_changes_nothing(data_dir, tmp_path):
     out = str(tmp_path / "run")
     p = run_cli("-c", CTRL_C_AT_EXIT, *TINY, "--max_steps=3", f"--data_dir={data_dir}", f"--out_dir={out}")
     assert p.returncode == 0 and "KeyboardInterrupt" not in p.stderr, p.stderr[-3000:]
@@ -231,7 +231,7 @@ def test_ctrl_c_while_a_finished_run_exits_changes_nothing(data_dir, tmp_path): 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("after", ["close", "destroy", "hold"])
-def test_ctrl_c_after_the_final_checkpoint_is_the_interrupted_line(data_dir, tmp_path, after):  # noqa: F811
+def test_ctrl_c_after_the_final_checkpoint_is_the_interrupted_line(data_dir, tmp_path, after):
     out = str(tmp_path / "run")
     p = run_cli("-c", CTRL_C_AFTER, after, *TINY, "--max_steps=3", f"--data_dir={data_dir}", f"--out_dir={out}")
     assert f"saved {out}/ckpt_00000003" in p.stdout
@@ -320,7 +320,7 @@ def test_resume_falls_back_from_a_resealed_bad_position_or_refuses_in_one_line(r
 D_MODEL = 10**7  # a 1e14-element attention matrix: no allocator hands out 400 TB
 
 
-def test_a_model_too_big_for_memory_is_one_line(data_dir, tmp_path):  # noqa: F811
+def test_a_model_too_big_for_memory_is_one_line(data_dir, tmp_path):
     out = str(tmp_path / "run")
     p = run_here([*TINY, "--max_steps=3", f"--data_dir={data_dir}", f"--out_dir={out}",
                   f"--model.d_model={D_MODEL}"], ok=False)

@@ -14,7 +14,7 @@ import checkpoint
 import eval as ev
 import interrupt
 from conftest import launch_env
-from test_train import ROOT, TINY, command, data_dir, rows, run_here  # noqa: F401 (data_dir: a fixture)
+from test_train import ROOT, TINY, command, rows, run_here
 
 # Readers started at once beside the training, which prunes what they read meanwhile (the test checks it). Ten evals
 # and three exports took 85 s on one core, these 40 s.

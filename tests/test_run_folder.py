@@ -26,14 +26,13 @@ import train
 from conftest import launch_env
 from data import check_token_ids, data_fingerprint, load_meta
 from test_faults_eval import error_line
-from test_train import (ROOT, TINY, command, data_dir, rows, run_here, run_train,  # noqa: F401  (data_dir: the shared fixture)
-                        train_error)
+from test_train import ROOT, TINY, command, rows, run_here, run_train, train_error
 
 ARGS = [*TINY, "--max_steps=6", "--ckpt_interval=1", "--keep_last=3"]
 
 
 @pytest.fixture(scope="module")
-def run6(data_dir, tmp_path_factory):  # noqa: F811
+def run6(data_dir, tmp_path_factory):
     """A finished 6-step run with a checkpoint every step (the last 3 kept): the reference."""
     out = str(tmp_path_factory.mktemp("ref") / "run")
     run_here([*ARGS, f"--data_dir={data_dir}", f"--out_dir={out}"])
@@ -95,7 +94,7 @@ def test_kill_during_prune_leaves_no_complete_looking_folder(run6, tmp_path, mon
 
 
 @pytest.mark.slow
-def test_real_kills_while_saving_and_pruning_never_leave_a_damaged_ckpt(data_dir, tmp_path):  # noqa: F811
+def test_real_kills_while_saving_and_pruning_never_leave_a_damaged_ckpt(data_dir, tmp_path):
     """SIGKILL at random moments of a run that saves and prunes every step: after each kill,
     every ckpt_ folder is complete, and the resumed run ends with the uninterrupted run's losses."""
     args = [*TINY, f"--data_dir={data_dir}", "--max_steps=20", "--ckpt_interval=1", "--keep_last=1", "--eval_interval=50"]
@@ -119,7 +118,7 @@ def test_real_kills_while_saving_and_pruning_never_leave_a_damaged_ckpt(data_dir
 
 # ----------------------------------------------------------------------------- damaged newest checkpoint
 @pytest.mark.slow
-def test_damaged_newest_checkpoint_falls_back_and_says_so(run6, data_dir, tmp_path):  # noqa: F811
+def test_damaged_newest_checkpoint_falls_back_and_says_so(run6, data_dir, tmp_path):
     # Contents damaged in place (sizes right, so only loading can tell): resume falls back.
     run = copy_run(run6, tmp_path)
     shard = glob.glob(os.path.join(run, "ckpt_00000006", "*.distcp"))[0]
@@ -141,7 +140,7 @@ def test_damaged_newest_checkpoint_falls_back_and_says_so(run6, data_dir, tmp_pa
 
 # ----------------------------------------------------------------------------- lock
 @pytest.mark.slow
-def test_double_launch_exits_at_once_naming_the_holder(data_dir, tmp_path):  # noqa: F811
+def test_double_launch_exits_at_once_naming_the_holder(data_dir, tmp_path):
     out = str(tmp_path / "run")
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=100000", "--ckpt_interval=20",
             "--log_interval=1", "--warmup_steps=2"]
@@ -181,7 +180,7 @@ def test_adam_eps_below_the_fp32_normal_range_is_rejected(eps):
 
 
 @pytest.mark.slow
-def test_non_finite_weights_are_never_saved(data_dir, tmp_path):  # noqa: F811
+def test_non_finite_weights_are_never_saved(data_dir, tmp_path):
     """lr=2e38 with betas (0, 0.95) and weight decay 1 on the norm gains, each within float32 (the
     config takes them): AdamW scales every gain (1 at init) by 1 - lr*wd = -2e38, then moves it by
     about lr against its gradient, so a gain with a positive gradient ends at -4e38 = -inf, while
@@ -228,7 +227,7 @@ except Exception as e:
 """
 
 
-def test_a_setting_added_to_train_pys_experiment_list_is_refused_on_resume(run6, data_dir, tmp_path):  # noqa: F811
+def test_a_setting_added_to_train_pys_experiment_list_is_refused_on_resume(run6, data_dir, tmp_path):
     # The one place: train.EXPERIMENT, beside the defaults; the resume (checkpoint.py) reads it from there.
     run = copy_run(run6, tmp_path)
     p = subprocess.run([sys.executable, "-c", WITH_A_NEW_EXPERIMENT_SETTING, *ARGS, f"--data_dir={data_dir}",
@@ -239,7 +238,7 @@ def test_a_setting_added_to_train_pys_experiment_list_is_refused_on_resume(run6,
 
 
 @pytest.mark.slow
-def test_resume_refuses_a_different_experiment(run6, data_dir, tmp_path):  # noqa: F811
+def test_resume_refuses_a_different_experiment(run6, data_dir, tmp_path):
     run = copy_run(run6, tmp_path)
     base = [*ARGS, f"--data_dir={data_dir}", f"--out_dir={run}"]
     err = one_line(run_here([*base, "--gamma=0.5", "--seed=1"], ok=False))
@@ -301,7 +300,7 @@ class Boom:
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # torch's remark on the crafted file's pickle
-def test_rng_file_is_loaded_without_running_code(run6, data_dir, tmp_path):  # noqa: F811
+def test_rng_file_is_loaded_without_running_code(run6, data_dir, tmp_path):
     run = copy_run(run6, tmp_path)
     with open(os.path.join(run, "ckpt_00000006", "rng_rank0.pt"), "wb") as f:
         pickle.dump({"cpu": Boom(tmp_path / "PWNED")}, f)
@@ -320,7 +319,7 @@ def drop_checksums(ckpt):
     os.remove(os.path.join(ckpt, "meta.json.sha256"))
 
 
-def test_crafted_metadata_runs_no_code_on_resume_eval_or_export(run6, data_dir, tmp_path, capsys):  # noqa: F811
+def test_crafted_metadata_runs_no_code_on_resume_eval_or_export(run6, data_dir, tmp_path, capsys):
     """DCP reads .metadata with plain pickle.load: a crafted one in a shared run folder would run
     on train.py resume, eval.py and export. Every checkpoint of the run is crafted here."""
     run = copy_run(run6, tmp_path)
@@ -397,7 +396,7 @@ def test_checkpoint_records_the_sha256_of_every_file_it_wrote(run6):
 
 
 @pytest.mark.slow
-def test_a_flipped_byte_in_any_checkpoint_file_is_damage(run6, data_dir, tmp_path, capsys):  # noqa: F811
+def test_a_flipped_byte_in_any_checkpoint_file_is_damage(run6, data_dir, tmp_path, capsys):
     names = sorted(json.load(open(os.path.join(run6, "ckpt_00000006", "meta.json")))["sha256"])
     assert names == [".metadata", "__0_0.distcp", "rng_rank0.pt"]
     for name in names:
@@ -422,7 +421,7 @@ def test_a_flipped_byte_in_any_checkpoint_file_is_damage(run6, data_dir, tmp_pat
 
 
 # ----------------------------------------------------------------------------- token ids
-def test_token_ids_past_the_vocab_are_caught_at_start(data_dir, tmp_path):  # noqa: F811
+def test_token_ids_past_the_vocab_are_caught_at_start(data_dir, tmp_path):
     meta = load_meta(data_dir)
     assert max(max(s["shard_max_id"]) for s in meta["splits"].values()) == 256  # the bytes' end-of-text
     check_token_ids(data_dir, meta, 257)
@@ -467,7 +466,7 @@ def test_broken_config_files_are_one_line(tmp_path, text, message):
     # trained to NaN at step 2 (0 in fp32: 0/0 where a gradient is 0), the hint blaming lr
     ("--adam_eps=1e-50", "config: adam_eps=1e-50 must be >= float32's smallest normal 1.18e-38"),
 ])
-def test_gamma_and_override_mistakes_are_one_line_before_training(data_dir, tmp_path, arg, message):  # noqa: F811
+def test_gamma_and_override_mistakes_are_one_line_before_training(data_dir, tmp_path, arg, message):
     out = tmp_path / "run"
     assert message in train_error([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=2",
                                    "--warmup_steps=1", arg])
@@ -481,7 +480,7 @@ def test_names_from_other_trainers_get_a_hint():
         train.load_config(["--max_iters=10"])
 
 
-def test_eval_on_damaged_or_wrong_input_is_one_line(run6, data_dir, tmp_path, capsys):  # noqa: F811
+def test_eval_on_damaged_or_wrong_input_is_one_line(run6, data_dir, tmp_path, capsys):
     def eval_error(path):
         line = error_line(["weights", str(path)], capsys)
         assert line.startswith("error: "), line
@@ -511,7 +510,7 @@ def tmpfs(path, size):
 
 
 @pytest.mark.slow
-def test_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_last(run6, data_dir, tmp_path):  # noqa: F811
+def test_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_last(run6, data_dir, tmp_path):
     disk = tmp_path / "disk"
     ckpt = sum(os.path.getsize(p) for p in glob.glob(os.path.join(run6, "ckpt_00000006", "*")))
     tmpfs(disk, f"{int(2.5 * ckpt) // 1024}k")  # room for two checkpoints and the logs, not a third
@@ -532,7 +531,7 @@ def test_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_last(run6, data
 
 @pytest.mark.slow
 @pytest.mark.parametrize("holds_lock", [False, True], ids=["train.lock", "config.json"])
-def test_full_disk_at_start_names_the_file(data_dir, tmp_path, holds_lock):  # noqa: F811
+def test_full_disk_at_start_names_the_file(data_dir, tmp_path, holds_lock):
     """A full disk at start-up failed in a write or flush, whose OSError has no file name: the
     one line said only "No space left on device". A folder of an earlier launch has a train.lock
     with a page of its own (rewritten in place), so there config.json is the first to fail."""
@@ -567,7 +566,7 @@ def limit_file_size(limit):
 
 
 @pytest.mark.slow
-def test_file_size_limit_is_one_line_at_start_and_while_saving(run6, data_dir, tmp_path):  # noqa: F811
+def test_file_size_limit_is_one_line_at_start_and_while_saving(run6, data_dir, tmp_path):
     """EFBIG (and EDQUOT) were not recognised as a full disk: a 147-line traceback, the partial
     checkpoint left behind. Below a checkpoint shard (~2 MB) but above metrics.jsonl: the save
     fails; below config.json (~1 kB): the start fails naming it."""
@@ -608,7 +607,7 @@ def interrupt(args, after):
 
 
 @pytest.mark.slow
-def test_ctrl_c_is_one_line_naming_the_step_and_the_resume_point(data_dir, tmp_path):  # noqa: F811
+def test_ctrl_c_is_one_line_naming_the_step_and_the_resume_point(data_dir, tmp_path):
     """Ctrl-C printed 124-148 lines of traceback. Now: exit code 130, one line with the step
     reached and where the same command resumes (or that it starts over), nothing half-written."""
     out = str(tmp_path / "run")
@@ -628,7 +627,7 @@ def test_ctrl_c_is_one_line_naming_the_step_and_the_resume_point(data_dir, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists threads through Linux's /proc")
-def test_no_thread_outlives_a_run_that_stopped_on_an_error(data_dir, tmp_path):  # noqa: F811
+def test_no_thread_outlives_a_run_that_stopped_on_an_error(data_dir, tmp_path):
     """The NaN guard's exit, the gloo group of the 1-rank run still alive: DTensor's caches kept the
     model's device meshes and each mesh its group, so gloo's threads ran on through the
     interpreter's exit ("terminate called without an active exception", SIGABRT, rc 134, in 2 of
@@ -679,7 +678,7 @@ def test_a_model_field_newer_than_the_checkpoint_counts_as_its_default(run6, tmp
 
 
 @pytest.mark.slow
-def test_saving_the_init_does_not_change_the_run(data_dir, tmp_path):  # noqa: F811
+def test_saving_the_init_does_not_change_the_run(data_dir, tmp_path):
     """DCP's get_state_dict materialises AdamW's state with a zero-gradient step (step count 1):
     a kept step-0 checkpoint used to shift every later bias correction. With and without it, and
     resumed from it, the run is the same, bitwise."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from report import cpu_name
-from test_train import data_dir, rows, run_train  # noqa: F401 (data_dir: the shared byte-level dataset)
+from test_train import rows, run_train
 
 RECORDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "same_numbers.json")
 SHORT = ["--max_steps=8", "--warmup_steps=2", "--log_interval=1", "--eval_interval=4", "--eval_batches=1",
@@ -21,7 +21,7 @@ def tiny_run_numbers(data, out):
     return {field: {str(k): v for k, v in rows(out, field).items()} for field in ("loss", "grad_norm", "val_loss")}
 
 
-def test_a_tiny_configs_numbers_are_the_recorded_ones(data_dir, tmp_path):  # noqa: F811
+def test_a_tiny_configs_numbers_are_the_recorded_ones(data_dir, tmp_path):
     recorded = json.load(open(RECORDED))
     if (recorded["cpu"], recorded["torch"]) != (cpu_name(), torch.__version__):
         pytest.skip(f"recorded on {recorded['cpu']} with torch {recorded['torch']}; this is {cpu_name()} with "

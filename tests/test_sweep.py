@@ -25,7 +25,7 @@ import interrupt
 import report
 import sweep
 from conftest import launch_env
-from test_train import data_dir, rows, train_error  # noqa: F401  (data_dir: the shared byte-level dataset fixture)
+from test_train import rows, train_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--set", "model_size=tiny", "--set", "model={'max_seq_len': 32}", "--set", "seq_len=32",

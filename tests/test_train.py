@@ -54,11 +54,6 @@ def byte_dataset(root):
     return str(out)
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return byte_dataset(tmp_path_factory.mktemp("data"))
-
-
 def command(args, nproc):
     if nproc == 1:
         return [sys.executable, "train.py", *args]

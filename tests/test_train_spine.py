@@ -13,7 +13,7 @@ import torch
 import checkpoint
 import train
 from conftest import launch_env
-from test_train import ROOT, TINY, data_dir, run_here, train_error  # noqa: F401  (data_dir: the shared fixture)
+from test_train import ROOT, TINY, run_here, train_error
 
 GAMMA = ("is outside 0 < γ <= 3: at γ <= 0 weights do not shrink with width, above 3 they start near 0; use e.g. "
          "0.5 (standard) or 1.0")
@@ -105,7 +105,7 @@ def test_every_rule_is_met_by_a_case(no_loggers):
     assert len({message for _, message in BAD}) == len(BAD)
 
 
-def test_varlen_passes_the_settings_and_the_device_refuses_it_before_the_run_folder(data_dir, tmp_path):  # noqa: F811
+def test_varlen_passes_the_settings_and_the_device_refuses_it_before_the_run_folder(data_dir, tmp_path):
     """The settings check asked for varlen's CUDA device on every machine, so train.py refused
     attn_backend='varlen' on a GPU too."""
     assert train.load_config(["--attn_backend=varlen"])["attn_backend"] == "varlen"
@@ -138,7 +138,7 @@ runpy.run_path("train.py", run_name="__main__")
 
 
 @pytest.fixture(scope="module")
-def ckpt(data_dir, tmp_path_factory):  # noqa: F811
+def ckpt(data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "run"
     run_here([*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=2", "--warmup_steps=1"])
     return checkpoint.complete_checkpoints(str(out))[-1]
