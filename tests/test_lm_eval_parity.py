@@ -25,6 +25,7 @@ import downstream as ds  # noqa: E402
 import eval as ev  # noqa: E402
 from conftest import failure_text, launch_env  # noqa: E402
 from hf_export import export_hf  # noqa: E402
+from test_train import run_here  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KIT = os.path.join(ROOT, "..", "shared", "data")
@@ -43,7 +44,7 @@ TRAIN = ["--model_size=tiny", "--model.doc_mask=False", "--model.max_seq_len=102
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """{gate: run folder} of byte models trained by train.py on the kit's TinyStories, both at once."""
+    """{gate: run folder} of byte models trained by train.py on the kit's TinyStories."""
     if not (os.path.exists(HELLASWAG) and os.path.exists(TINYSTORIES)):
         pytest.skip("../shared/data (HellaSwag, TinyStories) is not beside this checkout (offline data kit)")
     folder = tmp_path_factory.mktemp("parity")
@@ -53,13 +54,8 @@ def trained(tmp_path_factory):
                           env=launch_env())
     assert prep.returncode == 0, failure_text(prep)
     runs = {gate: folder / gate for gate in GATES}
-    procs = {gate: subprocess.Popen([sys.executable, "train.py", *TRAIN, f"--model.attn_gate={gate}",
-                                     f"--data_dir={data}", f"--out_dir={run}"], cwd=ROOT, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, env=launch_env())
-             for gate, run in runs.items()}
-    for gate, proc in procs.items():
-        out, _ = proc.communicate(timeout=900)
-        assert proc.returncode == 0, failure_text(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""))
+    for gate, run in runs.items():  # in this process (test_train.run_here): the same run without a process's imports
+        run_here([*TRAIN, f"--model.attn_gate={gate}", f"--data_dir={data}", f"--out_dir={run}"])
     return runs
 
 

@@ -52,10 +52,10 @@ def sizes_only(command):
     return " ".join(re.sub(r"ckpt_\d{8}", "ckpt_*", command).split())
 
 
-# A training run is reduced to 2 steps, each evaluated (on one batch) and saved: the evaluation, checkpoint
-# and benchmark rows the later commands read, at a quarter of 6 steps' cost.
-TINY_STEPS = ("--max_steps=2", "--warmup_steps=1", "--eval_interval=1", "--eval_batches=1", "--ckpt_interval=1")
-TINY_CKPT = "out/tiny_bytes/ckpt_00000002"  # what the shortened tiny_bytes run wrote last
+# A training run is reduced to 1 step, evaluated (on one batch) before and after it, and saved: the evaluation,
+# checkpoint and benchmark rows the later commands read, at a fifth of 6 steps' cost.
+TINY_STEPS = ("--max_steps=1", "--warmup_steps=0", "--eval_interval=1", "--eval_batches=1", "--ckpt_interval=1")
+TINY_CKPT = "out/tiny_bytes/ckpt_00000001"  # what the shortened tiny_bytes run wrote
 ANCHOR_STEPS = ("--max_steps=30", "--warmup_steps=5", "--eval_interval=15", "--ckpt_interval=15")
 SWEEP_STEPS = ("--seeds 0", "--eval-tokens 8192", "--set max_steps=2", "--set warmup_steps=1", "--set eval_interval=2",
                "--set eval_batches=1", "--set ckpt_interval=2")
@@ -138,9 +138,9 @@ COMMANDS = {
     "python eval.py report results/*.json --out out/study.md": ("side", None, ""),
     'python eval.py sample out/g1 --prompt "ROMEO:" --temperature 0.8': ("run", None, ""),
     "python train.py export out/tiny_bytes/ckpt_00000500 out/tiny_bytes.pt":
-        ("run", f"python train.py export {TINY_CKPT} out/tiny_bytes.pt", "the 2-step run's last checkpoint"),
+        ("run", f"python train.py export {TINY_CKPT} out/tiny_bytes.pt", "the 1-step run's checkpoint"),
     "python train.py export out/tiny_bytes/ckpt_00000500 out/hf/tiny_bytes --format hf":
-        ("run", f"python train.py export {TINY_CKPT} out/hf/tiny_bytes --format hf", "the 2-step run's last checkpoint"),
+        ("run", f"python train.py export {TINY_CKPT} out/hf/tiny_bytes --format hf", "the 1-step run's checkpoint"),
     f"lm_eval {HF_ARGS} --tasks hellaswag,gsm8k_cot,minerva_math500 --device cuda --batch_size 16":
         (None, None, "its tasks read the hub and it wants a GPU; the offline route below runs lm-eval here"),
     f"python eval.py lm-eval-task --task hellaswag --source {EVAL_KIT}/hellaswag/hellaswag_val_full.txt.bz2 "
@@ -324,11 +324,11 @@ def test_readme_commands_needing_the_offline_kit(workspace):
     shutil.copy(ws / "my_corpus" / "en" / "part0.txt", ws / "hub_standin" / "part0.txt")
     outputs = kit_lines("kit", ws)
     assert len(outputs) == 6
-    # the benchmark during training: steps 0, 1 and 2, each a row beside the validation loss
-    assert outputs[G1_BENCH].count("bench hellaswag: acc ") == 3
+    # the benchmark during training: steps 0 and 1, each a row beside the validation loss
+    assert outputs[G1_BENCH].count("bench hellaswag: acc ") == 2
     with open(ws / "out" / "g1_bench" / "metrics.jsonl") as f:
         rows = [row for row in map(json.loads, f) if "bench_hellaswag_acc" in row]
-    assert [row["step"] for row in rows] == [0, 1, 2] and all(0 <= row["bench_hellaswag_acc"] <= 1 for row in rows)
+    assert [row["step"] for row in rows] == [0, 1] and all(0 <= row["bench_hellaswag_acc"] <= 1 for row in rows)
     hellaswag = outputs[HELLASWAG_BENCH]
     assert "acc_norm" in hellaswag and "truncated" in hellaswag
     for task, metric in (("gsm8k", "flexible_match"), ("math500", "exact_match")):
