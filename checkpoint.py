@@ -51,9 +51,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from model import GPT, GPTConfig
-from fileio import (WRITE_LIMITS, NotOwnFile, atomic_open, atomic_write_bytes, check_outputs, file_kind, lock_holder,
-                    naming, open_nofollow, open_regular, parse_json, path_kind, read_json, sha256_file, sha256_of,
-                    write_json)
+from fileio import (WRITE_LIMITS, NotOwnFile, RunDirError, atomic_open, atomic_write_bytes, check_outputs, file_kind,
+                    lock_holder, naming, not_own_file, open_in_run_dir, open_nofollow, open_regular, parse_json,
+                    path_kind, read_json, sha256_file, sha256_of, write_json)
 
 # ----------------------------------------------------------------------------- reading without running code
 # DCP unpickles .metadata with plain pickle.load and torch.loads its byte entries (the optimizer's
@@ -418,11 +418,6 @@ def checksum_problem(path, meta, rank=0, world=1):
 RUNTIME_MODEL_FIELDS = {"attn_backend", "activation_checkpointing", "moe_impl"}
 
 
-class RunDirError(Exception):
-    """The run folder can't be used as asked: locked by another run, or a resume that would
-    change the experiment. One line naming the problem and the fix."""
-
-
 def open_in_checkpoint(file):
     """fileio.open_nofollow of a checkpoint's file, to read: a symlink (it would be read from outside),
     a FIFO (it would block the read forever) or anything else but a plain file is damage, in one line."""
@@ -591,23 +586,6 @@ def clear_leftovers(run_dir):
     called under the run folder's lock: another run's tmp_ folder is its checkpoint in progress."""
     for stale in glob.glob(os.path.join(run_dir, "tmp_ckpt_*")) + glob.glob(os.path.join(run_dir, "deleting_ckpt_*")):
         remove_tree(stale)
-
-
-def open_in_run_dir(path, flags):
-    """fileio.open_nofollow for a file of a run folder, refused in one line when it is not a plain file
-    of its own: the folder may come from someone else, and opening a symlink or a hard link there to
-    write (the lock truncates its file) would change a file anywhere the user can write, a FIFO would
-    never open. A folder under the name is refused too: opened to write, it fails with a bare EISDIR."""
-    try:
-        return open_nofollow(path, flags)
-    except (NotOwnFile, IsADirectoryError) as e:
-        raise not_own_file(path, "a folder" if isinstance(e, IsADirectoryError) else e.strerror) from None
-
-
-def not_own_file(path, what):
-    """The one line for a run folder's file that is not a plain file of its own (what: what it is)."""
-    return RunDirError(f"{path} is {what} (a run folder's files are its own); replace it with a regular file or "
-                       f"remove it, then rerun")
 
 
 def lock_run_dir(run_dir):

@@ -1,7 +1,8 @@
 """
 Files that readers rely on: written whole or not at all, JSON without NaN, sha256 of a file; files
 of a folder from someone else opened only when they are plain files of its own (open_regular); the
-lock files that keep a run, a data folder or a sweep point to one process (lock_holder); a JSON
+lock files that keep a run, a data folder or a sweep point to one process (lock_holder), and a run
+folder's own files (open_in_run_dir, RunDirError); a JSON
 object another tool wrote, its fields checked (read_object); output paths checked before a run
 writes them (check_outputs).
 Every tool writes through here (prepare_data.py's shards and meta.json, train.py's checkpoints
@@ -121,6 +122,28 @@ def open_nofollow(path, flags=os.O_RDWR | os.O_CREAT):
     someone else (tar, rsync, a shared disk), and a lock or log file planted there as a link would
     otherwise let opening it truncate or append to any file the user can write."""
     return open_regular(path, flags, follow=False)
+
+
+class RunDirError(Exception):
+    """The run folder can't be used as asked: locked by another run, a file in it that is not its own, or a
+    resume that would change the experiment. One line naming the problem and the fix."""
+
+
+def open_in_run_dir(path, flags):
+    """open_nofollow for a file of a run folder, refused in one line when it is not a plain file
+    of its own: the folder may come from someone else, and opening a symlink or a hard link there to
+    write (the lock truncates its file) would change a file anywhere the user can write, a FIFO would
+    never open. A folder under the name is refused too: opened to write, it fails with a bare EISDIR."""
+    try:
+        return open_nofollow(path, flags)
+    except (NotOwnFile, IsADirectoryError) as e:
+        raise not_own_file(path, "a folder" if isinstance(e, IsADirectoryError) else e.strerror) from None
+
+
+def not_own_file(path, what):
+    """The one line for a run folder's file that is not a plain file of its own (what: what it is)."""
+    return RunDirError(f"{path} is {what} (a run folder's files are its own); replace it with a regular file or "
+                       f"remove it, then rerun")
 
 
 def lock_pids(fd):

@@ -27,8 +27,8 @@ import sys
 import time
 
 from anchor import AnchorTask
-from checkpoint import RunDirError, metrics_rows
-from fileio import atomic_write_bytes, check_outputs, read_object, write_json
+from checkpoint import metrics_rows
+from fileio import RunDirError, atomic_write_bytes, check_outputs, read_object, write_json
 from launch import child_pool, end_child, start_child, stoppable
 from prepare_data import usable_cores
 from report import cpu_name, pyplot, save_figure

@@ -39,11 +39,11 @@ import subprocess
 import time
 from concurrent.futures import as_completed
 
-from checkpoint import RunDirError, code_version, metrics_rows, newest_in_run, open_in_run_dir
 from configurator import at_least, parse_value  # a grid value is read as train.py reads --key=value
-from fileio import check_outputs, lock_holder, read_object, write_json
+from fileio import RunDirError, check_outputs, lock_holder, open_in_run_dir, read_object, write_json
 from launch import STOPPING, child_pool, end_child, start_child, stoppable
-from report import cpu_name
+# The sweep itself never imports torch (~1.6 s of CPU): checkpoint, report, train and eval are imported by the
+# functions that a point's own process runs (point_main and the row it writes).
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -172,11 +172,13 @@ def eval_json(run_dir, name):
 def git_commit():
     """The sweep's code as `git describe --dirty` spells a commit (checkpoint.code_version), or None
     outside a git checkout."""
+    from checkpoint import code_version
     version = code_version()
     return version["git_commit"] and version["git_commit"] + ("-dirty" if version["git_dirty"] else "")
 
 
 def machine():
+    from report import cpu_name
     return {"cpu": cpu_name(), "threads_per_point": 1, "host": platform.node(), "python": platform.python_version()}
 
 
@@ -184,6 +186,7 @@ def trained_data_fingerprint(run_dir):
     """The data fingerprint (data.data_fingerprint) that the run's newest intact checkpoint trained
     on, read as eval.py reads the checkpoint: a result row names its data, so a rebuilt data set can
     be checked against it. Not sha256-checked again: eval.py has just read every byte."""
+    from checkpoint import newest_in_run
     if not glob.glob(os.path.join(run_dir, "ckpt_*")):
         return None
     return newest_in_run(run_dir, verify=False)[1].get("data_fingerprint")
@@ -200,6 +203,7 @@ def run_output(path, fields):
 
 def point_result(args, point, run_dir, wall_s, command):
     """The result row of a finished point, from its run folder."""
+    from checkpoint import metrics_rows
     config = run_output(os.path.join(run_dir, "config.json"), {})
     metrics = [row for _, row in metrics_rows(os.path.join(run_dir, "metrics.jsonl"))]
     train_rows = [r for r in metrics if "loss" in r]
@@ -250,40 +254,43 @@ def run_point(args, point, run_dir):
             return None
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "EVAL_THREADS": "1"}
         train, evals = train_args(args, point, run_dir), list(eval_commands(args, run_dir).values())
-        start = time.time()
+        # What the point's process runs: train.py's argv, each evaluation's eval.py argv, then the row it writes.
+        spec = {"train": train, "evals": [c[1:] for c in evals], "eval_names": args.eval, "point": point,
+                "run_dir": run_dir, "start": time.time()}
         log_fd = open_in_run_dir(os.path.join(run_dir, "sweep.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         with os.fdopen(log_fd, "a") as log:
             log.write("$ " + " && ".join("python " + " ".join(c) for c in [["train.py", *train], *evals]) + "\n")
             log.flush()
-            argvs = [train, [c[1:] for c in evals]]  # train.py's argv, and each evaluation's eval.py argv
-            point_process = [sys.executable, os.path.join(HERE, "sweep.py"), "--point", json.dumps(argvs)]
+            point_process = [sys.executable, os.path.join(HERE, "sweep.py"), "--point", json.dumps(spec)]
             returncode = end_child(start_child(point_process, stdout=log, stderr=subprocess.STDOUT, env=env))
-            if returncode != 0:
-                raise RuntimeError(f"point {point['name']}: its process exited {returncode}; "
-                                   f"see {os.path.join(run_dir, 'sweep.log')}")
-        # Recorded as a user would type it from the repo root (no path of this machine).
-        try:
-            row = point_result(args, point, run_dir, time.time() - start, ["python", "train.py", *train])
-        except (ValueError, RunDirError) as e:  # a damaged metrics.jsonl or checkpoint: this point fails
-            raise RuntimeError(f"point {point['name']}: {e}") from None
-        write_json(os.path.join(run_dir, "sweep_point.json"), row)
+        row = finished(run_dir) if returncode == 0 else None
+        if row is None:
+            raise RuntimeError(f"point {point['name']}: its process exited {returncode}; "
+                               f"see {os.path.join(run_dir, 'sweep.log')}")
         return row
     finally:
         os.close(lock)
 
 
-def point_main(train_argv, evals):
-    """A point's own process (`sweep.py --point`, started by run_point): train.py's main, then eval.py's main for
-    each evaluation, each with the lines and exit status its own process would give; torch is imported once,
-    not once per tool (~2 s of CPU each)."""
+def point_main(spec):
+    """A point's own process (`sweep.py --point SPEC`, started by run_point): train.py's main, then eval.py's main
+    for each evaluation, each with the lines and exit status its own process would give (torch imported once,
+    not once per tool: ~2 s of CPU each), then the point's row, written last as its sweep_point.json."""
     import eval as ev
     import train
     try:
-        train.main(train_argv)
+        train.main(spec["train"])
     except train.ERRORS as e:
         raise interrupt.Stop(train.error_line(e)) from None
-    for argv in evals:
+    for argv in spec["evals"]:
         ev.main(argv)
+    run_dir, point = spec["run_dir"], spec["point"]
+    try:  # the command as a user would type it from the repo root (no path of this machine)
+        row = point_result(argparse.Namespace(eval=spec["eval_names"]), point, run_dir, time.time() - spec["start"],
+                           ["python", "train.py", *spec["train"]])
+    except (ValueError, RunDirError) as e:  # a damaged metrics.jsonl or checkpoint: this point fails
+        raise interrupt.Stop(f"point {point['name']}: {e}") from None
+    write_json(os.path.join(run_dir, "sweep_point.json"), row)
 
 
 # The fields of a point's row that this sweep and `eval.py report` read, and their types.
@@ -441,7 +448,7 @@ def run_all(args, pending, todo):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--point"]:
-    interrupt.run(lambda: point_main(*json.loads(sys.argv[2])), "interrupted: a sweep point stopped; the sweep "
+    interrupt.run(lambda: point_main(json.loads(sys.argv[2])), "interrupted: a sweep point stopped; the sweep "
                   "redoes it (train.py resumes from its checkpoints)")
 elif __name__ == "__main__":
     STOPPED = "sweep: stopped by {signal}, and its running points with it; the same command resumes the sweep"

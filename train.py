@@ -39,11 +39,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from analysis import cosine_stats, row_cosines, stable_rank
-from checkpoint import (Metrics, RunDirError, allocating, diverged_hint, interrupted_line, naming, not_own_file,
-                        open_run_dir, resume_command, resume_run, save_checkpoint, write_error_line)
+from checkpoint import (Metrics, allocating, diverged_hint, interrupted_line, naming, open_run_dir, resume_command,
+                        resume_run, save_checkpoint, write_error_line)
 from configurator import configure, settings_help, unknown_key
 from data import TokenLoader, check_model_vocab, check_token_ids, data_fingerprint
-from fileio import write_json
+from fileio import RunDirError, not_own_file, write_json
 from mfu import datasheet_peak, matmul_rate
 from init import format_report, init_model_
 from downstream import open_training_bench

@@ -67,15 +67,12 @@ def loading(pid, library):
 
 
 # script: (arguments that would run it, the line of a Ctrl-C while it starts, a shared library its imports load:
-# prepare_data.py needs no torch, its imports are numpy's, tiktoken's and the repo's)
+# prepare_data.py needs no torch, its imports are numpy's, tiktoken's and the repo's). Not sweep.py: it imports
+# no torch (its points' processes do), and its ~30 ms of imports leave no window a signal can be aimed at.
 LAUNCHES = {
     "quickstart.py": (lambda tmp: ["--smoke", "--out", str(tmp / "qs")],
                       "quickstart: interrupted while starting, before anything ran; rerun the same command",
                       "libtorch"),
-    "sweep.py": (lambda tmp: ["config/cpu_lm.py", "--name", "s", "--out-root", str(tmp / "out"),
-                              "--results-dir", str(tmp / "results")],
-                 "sweep: interrupted while starting, before any point ran; the same command runs the sweep",
-                 "libtorch"),
     **{script: (args, f"{script}: interrupted while starting, before anything was written; rerun the same command",
                 library)
        for script, args, library in (

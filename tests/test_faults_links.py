@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 import checkpoint
+import fileio
 import prepare_data as P
 from test_faults_data import snapshot
 from test_run_folder import one_line
@@ -71,12 +72,12 @@ WRITERS = {"lock": os.O_RDWR | os.O_CREAT, "log": os.O_WRONLY | os.O_APPEND | os
 def test_no_writer_of_a_run_folder_writes_through_a_hard_link(tmp_path, flags):
     run, outside = tmp_path / "run", tmp_path / "precious.txt"
     plant_hard_link(run, "metrics.jsonl", outside)
-    with pytest.raises(checkpoint.RunDirError) as e:
-        os.close(checkpoint.open_in_run_dir(str(run / "metrics.jsonl"), flags))
+    with pytest.raises(fileio.RunDirError) as e:
+        os.close(fileio.open_in_run_dir(str(run / "metrics.jsonl"), flags))
     assert str(e.value) == f"{run / 'metrics.jsonl'} is a hard link (2 names): not written through {TAIL}"
     assert outside.read_bytes() == OUTSIDE
     os.remove(run / "metrics.jsonl")  # the fix the line names
-    os.close(checkpoint.open_in_run_dir(str(run / "metrics.jsonl"), flags))
+    os.close(fileio.open_in_run_dir(str(run / "metrics.jsonl"), flags))
     assert (run / "metrics.jsonl").is_file() and outside.read_bytes() == OUTSIDE
 
 
@@ -92,8 +93,8 @@ def test_reading_a_hard_linked_file_is_allowed(tmp_path):
 @pytest.mark.parametrize("flags", [*WRITERS.values(), os.O_RDONLY], ids=[*WRITERS.keys(), "read"])
 def test_a_fifo_in_a_run_folder_is_refused_without_blocking(tmp_path, flags):
     fifo = plant_fifo(tmp_path / "run", "metrics.jsonl")
-    with within(10), pytest.raises(checkpoint.RunDirError) as e:
-        os.close(checkpoint.open_in_run_dir(fifo, flags))
+    with within(10), pytest.raises(fileio.RunDirError) as e:
+        os.close(fileio.open_in_run_dir(fifo, flags))
     assert str(e.value) == f"{fifo} is a FIFO: not opened {TAIL}"
 
 
