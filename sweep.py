@@ -26,7 +26,7 @@ import sys
 
 import interrupt
 
-if __name__ == "__main__" and sys.argv[1:2] != ["--point"]:  # first: the imports below take seconds
+if __name__ == "__main__" and sys.argv[1:2] != ["--point"]:  # first, before any import below
     interrupt.while_starting("sweep: interrupted while starting, before any point ran; the same command runs the sweep")
 
 import argparse

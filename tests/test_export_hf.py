@@ -23,6 +23,7 @@ from init import init_model_  # noqa: E402
 from generate import decode  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from data import get_tokenizer  # noqa: E402
+import train  # noqa: E402
 from test_train import train_error  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -134,16 +135,11 @@ def test_auto_tokenizer_gives_the_run_ids(name, tmp_path):
     assert tok.eos_token_id == enc.eot_token == json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"]
 
 
-def run_export(*args):
-    return subprocess.run([sys.executable, "train.py", "export", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, env=launch_env())
-
-
 def test_cli_writes_the_folder_and_refuses_a_foreign_one(tmp_path):
+    # `train.py export`'s main in this process (the command as a process: the README's, tests/test_readme.py)
     model = trained_looking_model(**CONFIGS["gated_elementwise"])
     save_export(model, tmp_path / "m.pt")
-    proc = run_export(tmp_path / "m.pt", tmp_path / "hf", "--format", "hf")
-    assert proc.returncode == 0, proc.stderr
+    train.main(["export", str(tmp_path / "m.pt"), str(tmp_path / "hf"), "--format", "hf"])
     names = set(os.listdir(tmp_path / "hf"))
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "modeling_smallinit.py"} <= names
@@ -152,7 +148,7 @@ def test_cli_writes_the_folder_and_refuses_a_foreign_one(tmp_path):
     os.umask(umask)
     modes = {name: os.stat(tmp_path / "hf" / name).st_mode & 0o777 for name in names}
     assert set(modes.values()) == {0o666 & ~umask}, modes  # as readable as any new file (safetensors: 0600)
-    # Exporting again over an earlier export replaces it (in this process: the CLI is covered).
+    # Exporting again over an earlier export replaces it.
     (tmp_path / "hf" / "config.json").write_text("{}")
     export_hf(str(tmp_path / "m.pt"), str(tmp_path / "hf"))
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "smallinit"

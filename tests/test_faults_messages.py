@@ -6,15 +6,14 @@ one alike make a missing folder and refuse a file in its way. Nothing is written
 import os
 import signal
 import stat
-import subprocess
-import sys
 
 import pytest
 
 import downstream as ds
-from conftest import ctrl_c_after, launch_env, tiny_model
+import train
+from conftest import ctrl_c_after, tiny_model
 from test_eval import export
-from test_faults_eval import ROOT, error_line
+from test_faults_eval import error_line
 from test_train import train_error
 
 CKPT_FIX = "pass a .pt export, a complete checkpoint folder or a run folder written by train.py"
@@ -132,9 +131,8 @@ def test_hf_and_pt_exports_make_a_missing_folder_alike_and_refuse_a_file_in_its_
     assert export_line(tmp_path / "no_such_run", out, "--format", "hf").endswith(f"no_such_run: no such checkpoint "
                                                                                f"file or folder; {CKPT_FIX}")
     assert os.listdir(tmp_path) == []  # refused for its input: no folder made
-    p = subprocess.run([sys.executable, "train.py", "export", str(ckpt), str(out), "--format", "hf"], cwd=ROOT,
-                       capture_output=True, text=True, env=launch_env(), timeout=120)
-    assert p.returncode == 0 and (out / "config.json").is_file(), p.stderr
+    train.main(["export", str(ckpt), str(out), "--format", "hf"])
+    assert (out / "config.json").is_file()
     (tmp_path / "notes.txt").write_text("the user's own file\n")
     for fmt, name in (("hf", "hf"), ("pt", "m.pt")):
         out = tmp_path / "notes.txt" / "sub" / name
