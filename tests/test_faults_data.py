@@ -16,6 +16,7 @@ import data as D
 import prepare_data as P
 from conftest import launch_env
 from test_prepare_data import ROOT, decoded_docs, prepare, random_docs, write_jsonl
+from test_train import train_error
 
 
 def one_line_error(out, *sources, **options):
@@ -192,13 +193,9 @@ def test_train_and_eval_read_a_broken_meta_json_in_one_line(data_folder, tmp_pat
     wanted = f"{data_folder / 'meta.json'} is not a data folder's meta.json: it holds a JSON list, not an object"
     with pytest.raises(ValueError, match="^" + wanted.replace(".", r"\.")):
         E.val_batches(str(data_folder), "train", 1, 8, 100, 0, "loss")
-    run = subprocess.run([sys.executable, "train.py", "--model_size=tiny", "--seq_len=8", "--global_batch=1",
-                          "--batch_size=1", "--max_steps=2", "--warmup_steps=1", f"--data_dir={data_folder}",
-                          f"--out_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env=launch_env())
-    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
-    assert run.stderr.strip().splitlines()[-1] == f"data: {wanted}; re-run prepare_data.py for {data_folder} (or " \
-                                                 f"pass another data folder)", run.stderr
+    line = train_error(["--model_size=tiny", "--seq_len=8", "--global_batch=1", "--batch_size=1", "--max_steps=2",
+                        "--warmup_steps=1", f"--data_dir={data_folder}", f"--out_dir={tmp_path / 'run'}"])
+    assert line == f"data: {wanted}; re-run prepare_data.py for {data_folder} (or pass another data folder)"
 
 
 # ---------------------------------------------------------------- output folders that cannot be written
