@@ -23,8 +23,8 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The longest test files first: `make test`'s two xdist workers each take whole files, and one of
 # these started last would run alone at the end (test_readme.py alone takes ~2½ minutes, the next ones 1-1½).
-LONGEST_FIRST = ("test_readme.py", "test_train.py", "test_lm_eval_parity.py", "test_run_folder.py", "test_sweep.py",
-                 "test_live_run.py", "test_fast_paths.py", "test_loss_tail.py", "test_faults_run.py")
+LONGEST_FIRST = ("test_readme.py", "test_lm_eval_parity.py", "test_train.py", "test_run_folder.py", "test_live_run.py",
+                 "test_compiled_tail.py", "test_sweep.py", "test_fast_paths.py", "test_loss_tail.py", "test_faults_run.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -1,5 +1,6 @@
 """train.compile_model_: the compiled blocks, final norm and loss chunks against the eager model,
-and bench.py's compiled variants (the plain GPT included) built with it."""
+train.py's compiled training against its eager one, and bench.py's compiled variants (the plain GPT
+included) built with it."""
 import copy
 import functools
 from dataclasses import replace
@@ -10,16 +11,22 @@ from torch._dynamo.utils import counters
 
 import bench
 import loss as loss_module
-from conftest import built, tiny
+from conftest import built
 from loss import chunk_loss, chunked_cross_entropy, loss_chunk_rows
+from model import config_for
+from test_train import TINY, rows, run_here
 from train import compile_model_
 
-VOCAB = 300
+# The byte-level "tiny" model of train.py's TINY runs and batches of 5 x 60 tokens, the loss cut into chunks of
+# 128, 128 and a ragged 44 rows: the model test and the training below compile the same graphs, so the second
+# finds them in inductor's cache (~25 s of CPU less than compiling them twice).
+CONFIG = config_for("tiny")
+VOCAB, CHUNK_ELEMENTS, BATCH = CONFIG.vocab_size, 128 * CONFIG.vocab_size, (5, 60)
 
 
 def batch(seed):
     """5 x 60 = 300 tokens, a few targets ignored."""
-    idx = torch.randint(VOCAB, (5, 60), generator=torch.Generator().manual_seed(seed))
+    idx = torch.randint(VOCAB, BATCH, generator=torch.Generator().manual_seed(seed))
     targets = idx.roll(-1, 1)
     targets[:, -4:] = -1
     return idx, targets
@@ -40,10 +47,10 @@ def converted_frames(fn):
 @pytest.mark.slow
 def test_compiled_model_matches_the_eager_one_and_leaves_other_models_eager(monkeypatch):
     torch._dynamo.reset()  # a compile earlier in this process (an in-process training run) would be reused, uncounted
-    monkeypatch.setattr(loss_module, "LOSS_CHUNK_ELEMENTS", 128 * VOCAB)
-    rows = loss_chunk_rows(VOCAB)
-    assert rows == 128 and 300 % rows  # three chunks, the last one ragged
-    eager = built(tiny(vocab_size=VOCAB)).train()
+    monkeypatch.setattr(loss_module, "LOSS_CHUNK_ELEMENTS", CHUNK_ELEMENTS)
+    chunk = loss_chunk_rows(VOCAB)
+    assert chunk == 128 and 300 % chunk  # three chunks, the last one ragged
+    eager = built(CONFIG).train()
     net = copy.deepcopy(eager)
     names, keys = [n for n, _ in net.named_parameters()], list(net.state_dict())
     assert compile_model_(net) is net
@@ -71,6 +78,19 @@ def test_compiled_model_matches_the_eager_one_and_leaves_other_models_eager(monk
         assert torch.allclose(net(idx, targets)[1], eager(idx, targets)[1], rtol=1e-6, atol=0)
         logits = eager(idx)[0]
         assert torch.allclose(net(idx)[0], logits, rtol=0, atol=1e-5 * logits.abs().max().item())
+
+
+@pytest.mark.slow
+def test_compiled_run_matches_eager(data_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(loss_module, "LOSS_CHUNK_ELEMENTS", CHUNK_ELEMENTS)  # the graphs the test above compiled
+    args = [*TINY, f"--data_dir={data_dir}", "--max_steps=6", "--ckpt_interval=6", f"--seq_len={BATCH[1]}",
+            f"--global_batch={BATCH[0]}", f"--batch_size={BATCH[0]}"]
+    run_here([*args, f"--out_dir={tmp_path / 'eager'}"])
+    run_here([*args, f"--out_dir={tmp_path / 'compiled'}", "--compile=True"])
+    eager, compiled = rows(tmp_path / "eager", "loss"), rows(tmp_path / "compiled", "loss")
+    assert sorted(compiled) == list(range(1, 7))
+    for step in eager:
+        assert compiled[step] == pytest.approx(eager[step], rel=1e-4), step
 
 
 def test_bench_compiles_both_models_of_a_group_with_compile_model():

@@ -1,6 +1,6 @@
 """train.py: config system, schedules, shipped configs (dry run), and real CPU training runs:
 loss falls, grad accumulation and 2-rank FSDP2 match one process, exact resume after SIGKILL,
-resume on another world size, compile matches eager, NaN guard, export."""
+resume on another world size, NaN guard, export (compile against eager: tests/test_compiled_tail.py)."""
 import contextlib
 import copy
 import glob
@@ -475,17 +475,6 @@ def test_sigkill_and_resume_is_bitwise_exact(data_dir, tmp_path):
     assert [os.path.basename(c) for c in checkpoint.complete_checkpoints(ref)] == ["ckpt_00000140", "ckpt_00000150"]  # keep_last=2
     for field in ("loss", "grad_norm", "val_loss"):
         assert rows(out, field) == rows(ref, field), field  # every step, bitwise
-
-
-@pytest.mark.slow
-def test_compiled_run_matches_eager(data_dir, tmp_path):
-    args = [*TINY, f"--data_dir={data_dir}", "--max_steps=6", "--ckpt_interval=6"]
-    run_here([*args, f"--out_dir={tmp_path / 'eager'}"])
-    run_here([*args, f"--out_dir={tmp_path / 'compiled'}", "--compile=True"])
-    eager, compiled = rows(tmp_path / "eager", "loss"), rows(tmp_path / "compiled", "loss")
-    assert sorted(compiled) == list(range(1, 7))
-    for step in eager:
-        assert compiled[step] == pytest.approx(eager[step], rel=1e-4), step
 
 
 @pytest.mark.slow
