@@ -1,10 +1,9 @@
 """
 Files that readers rely on: written whole or not at all, JSON without NaN, sha256 of a file; files
-of a folder from someone else opened only when they are plain files of its own (open_regular); the
-lock files that keep a run, a data folder or a sweep point to one process (lock_holder), and a run
-folder's own files (open_in_run_dir, RunDirError); a JSON
-object another tool wrote, its fields checked (read_object); output paths checked before a run
-writes them (check_outputs).
+of a folder from someone else opened only when they are plain files of its own (open_regular, and
+open_in_run_dir for a run folder's); the lock files that keep a run, a data folder or a sweep point
+to one process (lock_holder); a JSON object another tool wrote, its fields checked (read_object);
+output paths checked before a run writes them (check_outputs).
 Every tool writes through here (prepare_data.py's shards and meta.json, train.py's checkpoints
 and metrics, eval.py's and sweep.py's results), so it imports nothing of the project.
 """
