@@ -201,15 +201,15 @@ def run_output(path, fields):
                          "command to redo the point") from None
 
 
-def point_result(args, point, run_dir, wall_s, command):
-    """The result row of a finished point, from its run folder."""
+def point_result(eval_names, point, run_dir, wall_s, command):
+    """The result row of a finished point, from its run folder and its evaluations' results."""
     from checkpoint import metrics_rows
     config = run_output(os.path.join(run_dir, "config.json"), {})
     metrics = [row for _, row in metrics_rows(os.path.join(run_dir, "metrics.jsonl"))]
     train_rows = [r for r in metrics if "loss" in r]
     val_rows = [r for r in metrics if "val_loss" in r]
     evals = {}
-    for name in args.eval:
+    for name in eval_names:
         fields = {"summary": dict, "rows": list} if name == "loss" else {"summary": dict}
         result = run_output(eval_json(run_dir, name), fields)
         evals[name] = {"summary": result["summary"], "rows": result["rows"] if name == "loss" else None}
@@ -253,13 +253,14 @@ def run_point(args, point, run_dir):
         if finished(run_dir):  # a sibling sweep finished it after this one listed its points
             return None
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "EVAL_THREADS": "1"}
-        train, evals = train_args(args, point, run_dir), list(eval_commands(args, run_dir).values())
+        train, evals = train_args(args, point, run_dir), eval_commands(args, run_dir)
         # What the point's process runs: train.py's argv, each evaluation's eval.py argv, then the row it writes.
-        spec = {"train": train, "evals": [c[1:] for c in evals], "eval_names": args.eval, "point": point,
+        spec = {"train": train, "evals": {name: c[1:] for name, c in evals.items()}, "point": point,
                 "run_dir": run_dir, "start": time.time()}
         log_fd = open_in_run_dir(os.path.join(run_dir, "sweep.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         with os.fdopen(log_fd, "a") as log:
-            log.write("$ " + " && ".join("python " + " ".join(c) for c in [["train.py", *train], *evals]) + "\n")
+            log.write("$ " + " && ".join("python " + " ".join(c) for c in [["train.py", *train], *evals.values()])
+                      + "\n")
             log.flush()
             point_process = [sys.executable, os.path.join(HERE, "sweep.py"), "--point", json.dumps(spec)]
             returncode = end_child(start_child(point_process, stdout=log, stderr=subprocess.STDOUT, env=env))
@@ -282,11 +283,11 @@ def point_main(spec):
         train.main(spec["train"])
     except train.ERRORS as e:
         raise interrupt.Stop(train.error_line(e)) from None
-    for argv in spec["evals"]:
+    for argv in spec["evals"].values():
         ev.main(argv)
     run_dir, point = spec["run_dir"], spec["point"]
     try:  # the command as a user would type it from the repo root (no path of this machine)
-        row = point_result(argparse.Namespace(eval=spec["eval_names"]), point, run_dir, time.time() - spec["start"],
+        row = point_result(list(spec["evals"]), point, run_dir, time.time() - spec["start"],
                            ["python", "train.py", *spec["train"]])
     except (ValueError, RunDirError) as e:  # a damaged metrics.jsonl or checkpoint: this point fails
         raise interrupt.Stop(f"point {point['name']}: {e}") from None

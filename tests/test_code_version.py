@@ -175,14 +175,12 @@ def test_a_metrics_line_that_is_not_a_row_fails_the_sweep_point_instead_of_being
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0, "tokens": 128}\n{"step": 2, "lo\n'
                                        '{"step": 2, "loss": 4.0, "tokens": 256}\n')
 
-    class Args:
-        eval = []
     with pytest.raises(ValueError, match=r"metrics.jsonl line 2 is not a metrics row"):
-        sweep.point_result(Args, {"name": "p", "arm": "a", "configs": [], "arm_set": {}, "setting": {}, "seed": 0},
+        sweep.point_result([], {"name": "p", "arm": "a", "configs": [], "arm_set": {}, "setting": {}, "seed": 0},
                            str(run), 1.0, [])
     # the half-written last row of a killed run is the one line that is dropped
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0, "tokens": 128}\n{"step": 2, "lo')
-    row = sweep.point_result(Args, {"name": "p", "arm": "a", "configs": [], "arm_set": {}, "setting": {}, "seed": 0},
+    row = sweep.point_result([], {"name": "p", "arm": "a", "configs": [], "arm_set": {}, "setting": {}, "seed": 0},
                              str(run), 1.0, [])
     assert row["tokens"] == 128 and row["final_train_loss"] == 5.0
 

@@ -49,7 +49,7 @@ def test_compiled_model_matches_the_eager_one_and_leaves_other_models_eager(monk
     torch._dynamo.reset()  # a compile earlier in this process (an in-process training run) would be reused, uncounted
     monkeypatch.setattr(loss_module, "LOSS_CHUNK_ELEMENTS", CHUNK_ELEMENTS)
     chunk = loss_chunk_rows(VOCAB)
-    assert chunk == 128 and 300 % chunk  # three chunks, the last one ragged
+    assert chunk == 128 and BATCH[0] * BATCH[1] // chunk == 2 and BATCH[0] * BATCH[1] % chunk  # 3 chunks, a ragged last
     eager = built(CONFIG).train()
     net = copy.deepcopy(eager)
     names, keys = [n for n, _ in net.named_parameters()], list(net.state_dict())

@@ -180,7 +180,7 @@ def finished_point(tmp_path):
     run = str(tmp_path / "out" / "s" / point["name"])
     fill(run, {"config.json": '{"lr": 0.01}', "metrics.jsonl": '{"step": 2, "loss": 5.0, "tokens": 256}\n',
                "eval_loss.json": '{"summary": {"loss": 5.1}, "rows": []}'})
-    row = sweep.point_result(Args, point, run, 1.0, ["python", "train.py", *sweep.train_args(Args, point, run)])
+    row = sweep.point_result(Args.eval, point, run, 1.0, ["python", "train.py", *sweep.train_args(Args, point, run)])
     with open(os.path.join(run, "sweep_point.json"), "w") as f:
         json.dump(row, f)
     return run, row

@@ -272,12 +272,12 @@ def test_a_damaged_run_file_fails_its_point_in_one_line(file, damage, tmp_path):
     for name, data in RUN_FILES.items():
         put(run / name, data)
     command = ["python", "train.py", *sweep.train_args(Args, point, str(run))]
-    assert sweep.point_result(Args, point, str(run), 1.0, command)["eval"]["loss"]["summary"] == {"loss": 5.1}
+    assert sweep.point_result(Args.eval, point, str(run), 1.0, command)["eval"]["loss"]["summary"] == {"loss": 5.1}
     os.remove(run / file)
     data, why = DAMAGE.get(damage, NO_SUMMARY)
     put(run / file, data)
     with pytest.raises(ValueError) as e, within(10):
-        sweep.point_result(Args, point, str(run), 1.0, command)
+        sweep.point_result(Args.eval, point, str(run), 1.0, command)
     assert str(e.value) == (f"{run / file} is not the file train.py or eval.py writes ({why}): remove it and rerun "
                             "this command to redo the point")
 

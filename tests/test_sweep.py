@@ -172,9 +172,9 @@ def test_a_point_process_ends_on_its_trainings_own_line(tmp_path):
     run = str(tmp_path / "p")
     argv = [os.path.join(ROOT, "config", "cpu_lm.py"), "--max_steps=0", f"--out_dir={run}"]
     with pytest.raises(interrupt.Stop) as e:
-        sweep.point_main({"train": argv, "evals": [["loss", run, "--json-out", str(tmp_path / "e.json")]],
-                          "eval_names": ["loss"], "point": sweep.points({"b": {"configs": [], "set": {}}}, {}, [0])[0],
-                          "run_dir": run, "start": time.time()})
+        sweep.point_main({"train": argv, "evals": {"loss": ["loss", run, "--json-out", str(tmp_path / "e.json")]},
+                          "point": sweep.points({"b": {"configs": [], "set": {}}}, {}, [0])[0], "run_dir": run,
+                          "start": time.time()})
     assert (str(e.value), e.value.status) == (train_error(argv), 1) and os.listdir(tmp_path) == []
 
 
