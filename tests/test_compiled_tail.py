@@ -17,10 +17,12 @@ from model import config_for
 from test_train import TINY, rows, run_here
 from train import compile_model_
 
-# The byte-level "tiny" model of train.py's TINY runs and batches of 5 x 60 tokens, the loss cut into chunks of
+# The byte-level "tiny" model of train.py's TINY runs with grouped-query attention (2 query heads on 1 key/value
+# head: the compiled block repeats k and v for its group), batches of 5 x 60 tokens, the loss cut into chunks of
 # 128, 128 and a ragged 44 rows: the model test and the training below compile the same graphs, so the second
 # finds them in inductor's cache (~25 s of CPU less than compiling them twice).
-CONFIG = config_for("tiny")
+GQA = {"n_kv_head": 1}
+CONFIG = replace(config_for("tiny"), **GQA)
 VOCAB, CHUNK_ELEMENTS, BATCH = CONFIG.vocab_size, 128 * CONFIG.vocab_size, (5, 60)
 
 
@@ -60,7 +62,8 @@ def test_compiled_model_matches_the_eager_one_and_leaves_other_models_eager(monk
     (loss, grads), frames = converted_frames(lambda: loss_and_grads(eager, idx, targets))
     assert frames == 0
     (compiled_loss, compiled_grads), frames = converted_frames(lambda: loss_and_grads(net, idx, targets))
-    # One graph for both blocks, one for the norm, one per chunk height.
+    # One graph for both blocks, one for the norm, one per chunk height. Inductor fuses and reorders, so the
+    # fp32 rounding differs: gradients measured up to 1.5e-6 of a parameter's largest (Intel Xeon).
     assert frames == 4
     assert torch.allclose(compiled_loss, loss, rtol=1e-6, atol=0)
     for name, g, cg in zip(names, grads, compiled_grads):
@@ -84,7 +87,7 @@ def test_compiled_model_matches_the_eager_one_and_leaves_other_models_eager(monk
 def test_compiled_run_matches_eager(data_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(loss_module, "LOSS_CHUNK_ELEMENTS", CHUNK_ELEMENTS)  # the graphs the test above compiled
     args = [*TINY, f"--data_dir={data_dir}", "--max_steps=6", "--ckpt_interval=6", f"--seq_len={BATCH[1]}",
-            f"--global_batch={BATCH[0]}", f"--batch_size={BATCH[0]}"]
+            f"--global_batch={BATCH[0]}", f"--batch_size={BATCH[0]}", f"--model={GQA}"]
     run_here([*args, f"--out_dir={tmp_path / 'eager'}"])
     run_here([*args, f"--out_dir={tmp_path / 'compiled'}", "--compile=True"])
     eager, compiled = rows(tmp_path / "eager", "loss"), rows(tmp_path / "compiled", "loss")
