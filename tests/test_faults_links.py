@@ -18,7 +18,7 @@ import fileio
 import prepare_data as P
 from test_faults_data import snapshot
 from test_run_folder import one_line
-from test_train import TINY, run_train
+from test_train import TINY, run_here, run_train
 
 OUTSIDE = b"a file of the user's, anywhere\n"
 TAIL = "(a run folder's files are its own); replace it with a regular file or remove it, then rerun"
@@ -56,7 +56,7 @@ def plant_fifo(folder, name):
 def test_a_hard_linked_train_lock_is_refused_and_the_other_file_kept(data_dir, tmp_path):
     out, outside = tmp_path / "run", tmp_path / "precious.txt"
     plant_hard_link(out, "train.lock", outside)
-    p = run_train([*TINY, "--max_steps=4", f"--data_dir={data_dir}", f"--out_dir={out}"], ok=False)
+    p = run_here([*TINY, "--max_steps=4", f"--data_dir={data_dir}", f"--out_dir={out}"], ok=False)
     assert p.returncode == 1
     assert one_line(p) == f"{out / 'train.lock'} is a hard link (2 names): not written through {TAIL}"
     assert outside.read_bytes() == OUTSIDE and os.path.samefile(outside, out / "train.lock")

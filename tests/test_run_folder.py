@@ -96,10 +96,11 @@ def test_kill_during_prune_leaves_no_complete_looking_folder(run6, tmp_path, mon
 @pytest.mark.slow
 def test_real_kills_while_saving_and_pruning_never_leave_a_damaged_ckpt(data_dir, tmp_path):
     """SIGKILL at random moments of a run that saves and prunes every step: after each kill,
-    every ckpt_ folder is complete, and the resumed run ends with the uninterrupted run's losses."""
+    every ckpt_ folder is complete, and the resumed run ends with the uninterrupted run's losses (the killed runs
+    are processes; the reference and the resume run in this process)."""
     args = [*TINY, f"--data_dir={data_dir}", "--max_steps=20", "--ckpt_interval=1", "--keep_last=1", "--eval_interval=50"]
     ref, out = str(tmp_path / "ref"), str(tmp_path / "killed")
-    run_train([*args, f"--out_dir={ref}"])
+    run_here([*args, f"--out_dir={ref}"])
     rng = np.random.default_rng(0)
     for kill in range(4):
         proc = subprocess.Popen(command([*args, f"--out_dir={out}"], 1), cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -112,7 +113,7 @@ def test_real_kills_while_saving_and_pruning_never_leave_a_damaged_ckpt(data_dir
         proc.wait()
         complete, damaged = checkpoint.scan_checkpoints(out)
         assert damaged == [], damaged
-    run_train([*args, f"--out_dir={out}"])
+    run_here([*args, f"--out_dir={out}"])
     assert rows(out, "loss") == rows(ref, "loss")
 
 
