@@ -21,10 +21,12 @@ torch.set_num_threads(1)
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-# The longest test files first: `make test`'s two xdist workers each take whole files, and one of
-# these started last would run alone at the end (test_readme.py alone takes ~2½ minutes, the next ones 1-1½).
-LONGEST_FIRST = ("test_readme.py", "test_lm_eval_parity.py", "test_train.py", "test_run_folder.py", "test_live_run.py",
-                 "test_compiled_tail.py", "test_sweep.py", "test_fast_paths.py", "test_loss_tail.py", "test_faults_run.py")
+# The longest test files first (CPU time measured in the whole suite): `make test`'s two xdist workers each take
+# whole files in this order (--no-loadscope-reorder), and one of these started last would run alone at the end
+# (test_readme.py takes ~2½ minutes of CPU, the next ones about one).
+LONGEST_FIRST = ("test_readme.py", "test_lm_eval_parity.py", "test_live_run.py", "test_train.py", "test_run_folder.py",
+                 "test_bench.py", "test_sweep.py", "test_compiled_tail.py", "test_faults_run.py", "test_fast_paths.py",
+                 "test_gpu_check.py", "test_quickstart.py", "test_optim.py", "test_loss_tail.py")
 
 
 def pytest_collection_modifyitems(items):
