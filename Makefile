@@ -21,7 +21,8 @@ test-extras:
 # The runner alone, apart from the extras: a failed extra then skips its tests instead of every test.
 pytest:
 	$(PYTHON) -m pip install -q pytest
-	$(PYTHON) -m pip install -q "pytest-xdist>=3.8" || echo "pytest-xdist could not be installed: the suite runs in one process"
+	$(PYTHON) -m pip install -q "pytest-xdist>=3.8" || \
+		echo "pytest-xdist could not be installed: the suite runs in one process"
 
 # Most tests run one thread (tests/conftest.py), so two pytest-xdist workers, each given whole test files
 # (a module's fixtures are built once), keep both cores busy; without xdist the suite runs in one process.

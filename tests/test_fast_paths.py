@@ -173,6 +173,7 @@ def test_fused_gemms_under_fsdp2_bf16_mixed_precision():
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # the eager reference, on purpose
 def test_the_fused_form_under_compiled_flex_is_the_model():
     # The model compiled as train.py compiles it (FlexAttention with packed documents) against the eager model on
     # FlexAttention and on SDPA's dense mask. And bench's fused form under it: compiled on CPU, inductor's
