@@ -21,15 +21,11 @@ test-extras:
 # The runner alone, apart from the extras: a failed extra then skips its tests instead of every test.
 pytest:
 	$(PYTHON) -m pip install -q pytest
-	$(PYTHON) -m pip install -q "pytest-xdist>=3.8" || \
-		echo "pytest-xdist could not be installed: the suite runs in one process"
+	$(PYTHON) -m pip install -q pytest-xdist || echo "pytest-xdist could not be installed: the suite runs in one process"
 
 # Most tests run one thread (tests/conftest.py), so two pytest-xdist workers, each given whole test files
 # (a module's fixtures are built once), keep both cores busy; without xdist the suite runs in one process.
-# The files go out in tests/conftest.py's order, longest first; xdist would sort them by their number of tests
-# instead (3.8 made that optional), and a long file with few tests would start last and run alone at the end.
-WORKERS = $$($(PYTHON) -c "import xdist; print('-n 2 --dist loadfile', '--no-loadscope-reorder' * (tuple(map(int, \
-	xdist.__version__.split('.')[:2])) >= (3, 8)))" 2>/dev/null)
+WORKERS = $$($(PYTHON) -c "import xdist" 2>/dev/null && echo "-n 2 --dist loadfile")
 
 # The whole suite, slow tests included (CI runs exactly this), then its 15 slowest tests.
 test: install pytest plots test-extras

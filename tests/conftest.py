@@ -21,21 +21,6 @@ torch.set_num_threads(1)
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-# The longest test files first (CPU time measured in the whole suite): `make test`'s two xdist workers each take
-# whole files in this order (--no-loadscope-reorder), and one of these started last would run alone at the end
-# (test_readme.py takes ~2½ minutes of CPU, the next ones about one). But test_compiled_tail.py second: the first
-# torch.compile into a cold cache also builds inductor's CPU feature checks (~10 s of CPU), and two workers
-# compiling first at once would both build them; test_readme.py, beside it, compiles nothing.
-LONGEST_FIRST = ("test_readme.py", "test_compiled_tail.py", "test_lm_eval_parity.py", "test_live_run.py",
-                 "test_train.py", "test_run_folder.py", "test_bench.py", "test_sweep.py", "test_faults_run.py",
-                 "test_fast_paths.py", "test_gpu_check.py", "test_quickstart.py", "test_optim.py", "test_loss_tail.py")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: the rest in order
-
-
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
     """The training tests' byte-level dataset (test_train.byte_dataset), built once per test process

@@ -63,11 +63,11 @@ def test_compiled_model_matches_the_eager_one_and_leaves_other_models_eager(monk
     assert frames == 0
     (compiled_loss, compiled_grads), frames = converted_frames(lambda: loss_and_grads(net, idx, targets))
     # One graph for both blocks, one for the norm, one per chunk height. Inductor fuses and reorders, so the
-    # fp32 rounding differs: gradients measured up to 1.5e-6 of a parameter's largest (Intel Xeon).
+    # fp32 rounding differs: gradients measured within 1.5e-6 of a parameter's largest (Intel Xeon, 3 seeds).
     assert frames == 4
     assert torch.allclose(compiled_loss, loss, rtol=1e-6, atol=0)
     for name, g, cg in zip(names, grads, compiled_grads):
-        assert torch.allclose(cg, g, rtol=0, atol=1e-5 * g.abs().max().item()), name
+        assert torch.allclose(cg, g, rtol=0, atol=5e-6 * g.abs().max().item()), name
 
     # Another batch of the same shape compiles nothing more.
     idx, targets = batch(1)
