@@ -52,8 +52,8 @@ from torch.distributed.tensor import DTensor
 
 from model import GPT, GPTConfig
 from fileio import (WRITE_LIMITS, NotOwnFile, RunDirError, atomic_open, atomic_write_bytes, check_outputs, file_kind,
-                    lock_holder, naming, not_own_file, open_in_run_dir, open_nofollow, open_regular, parse_json,
-                    path_kind, read_json, sha256_file, sha256_of, write_json)
+                    lock_holder, naming, open_in_run_dir, open_nofollow, open_regular, parse_json, path_kind, read_json,
+                    sha256_file, sha256_of, write_json)
 
 # ----------------------------------------------------------------------------- reading without running code
 # DCP unpickles .metadata with plain pickle.load and torch.loads its byte entries (the optimizer's

@@ -264,10 +264,11 @@ def run_point(args, point, run_dir):
             log.flush()
             point_process = [sys.executable, os.path.join(HERE, "sweep.py"), "--point", json.dumps(spec)]
             returncode = end_child(start_child(point_process, stdout=log, stderr=subprocess.STDOUT, env=env))
-        row = finished(run_dir) if returncode == 0 else None
-        if row is None:
+        if returncode != 0:
             raise RuntimeError(f"point {point['name']}: its process exited {returncode}; "
                                f"see {os.path.join(run_dir, 'sweep.log')}")
+        row = finished(run_dir)
+        assert row is not None, "a point's process exits 0 only after writing its sweep_point.json (point_main)"
         return row
     finally:
         os.close(lock)
